@@ -1,0 +1,1 @@
+"""Billing: price book, usage ledger, rollups, invoices, exports, Stripe."""

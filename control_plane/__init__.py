@@ -1,0 +1,1 @@
+"""Control plane: organisations, users, API keys, models, adapters, deployments, plans, workers."""

@@ -1,0 +1,108 @@
+"""Wire types between gateway and workers, and the events on the bus.
+
+`/generate` takes a `GenerateRequest` as JSON and answers with newline-delimited JSON,
+one `GenerateDelta` per line, the last one carrying `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Bus streams. Every gateway replica tails WORKERS and KV; billing consumes USAGE.
+WORKERS = "tm:workers"
+KV = "tm:kv"
+USAGE = "tm:usage"
+KEYS = "tm:keys"
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token; None = off
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    adapter: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first: 0 interactive, 1 batch
+    fairness_key: str | None = None
+
+
+class GenerateDelta(msgspec.Struct, omit_defaults=True):
+    """Text and token ids produced since the previous delta; counts are running totals."""
+
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+# --- bus events -------------------------------------------------------------------------
+
+
+class WorkerAnnounce(msgspec.Struct, tag="announce", tag_field="type"):
+    worker_id: str
+    deployment_id: str | None
+    address: str
+    model: str
+    capacity: int = 1
+    gpu_type: str | None = None
+    ts: float = 0.0
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
+    worker_id: str
+    deployment_id: str | None
+    address: str
+    model: str
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    adapters: list[str] = []
+    draining: bool = False
+    ts: float = 0.0
+
+
+class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):
+    worker_id: str
+    deployment_id: str | None
+    ts: float = 0.0
+
+
+WorkerEvent = WorkerAnnounce | Heartbeat | WorkerDeparture
+
+
+class UsageRecord(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    org_id: str
+    model: str
+    api_key_id: str | None = None
+    adapter: str | None = None
+    deployment_id: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    duration_ms: float | None = None
+    status: str = "ok"
+    ts: float = 0.0
+
+
+class KeyRevoked(msgspec.Struct):
+    prefix: str

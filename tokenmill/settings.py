@@ -1,0 +1,109 @@
+"""One typed settings object, read from the environment.
+
+Everything has a default for the embedded mode, so `tokenmill serve` runs with no
+configuration at all; production sets DATABASE_URL, REDIS_URL and the secrets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BUNDLED_MODEL = "bundled:smollm2"
+BUNDLED_EMBED_MODEL = "bundled:minilm"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore", frozen=False)
+
+    home: Path = Field(default=Path("~/.tokenmill"), description="State directory of the embedded mode.")
+    host: str = Field(default="127.0.0.1", description="Address the server listens on.")
+    port: int = Field(default=8000, description="Port the server listens on.")
+    database_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("DATABASE_URL", "TOKENMILL_DATABASE_URL"),
+        description="SQLAlchemy URL; default is a SQLite file under TOKENMILL_HOME.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "TOKENMILL_REDIS_URL"),
+        description="Redis for the bus and rate limits; unset means in-memory (embedded mode).",
+    )
+    internal_token: str | None = Field(
+        default=None, description="Shared secret for worker endpoints and the internal bus endpoint."
+    )
+    secret_key: str | None = Field(default=None, description="Key of the keyed hash of API keys.")
+    bus_url: str | None = Field(
+        default=None, description="Internal bus endpoint a worker publishes to when there is no Redis."
+    )
+    model: str = Field(default=BUNDLED_MODEL, description="Model the embedded server serves.")
+    model_cache: Path | None = Field(default=None, description="Converted model cache; default HOME/models.")
+    spawn_worker: bool = Field(default=True, description="Whether `serve` starts a local worker.")
+    worker_host: str = Field(default="127.0.0.1", description="Address a worker listens on.")
+    worker_port: int = Field(default=0, description="Port a worker listens on; 0 picks a free one.")
+    worker_wait_seconds: float = Field(
+        default=120.0, description="How long a request waits for a worker of its deployment to appear."
+    )
+    heartbeat_seconds: float = Field(default=1.0, description="Worker heartbeat interval.")
+    worker_timeout_seconds: float = Field(
+        default=3.0, description="A worker without a heartbeat for this long is not routed to."
+    )
+    torch_threads: int | None = Field(default=None, description="torch intra-op threads on a worker.")
+    log_level: str = Field(default="INFO", description="Python logging level.")
+
+    @cached_property
+    def home_dir(self) -> Path:
+        return self.home.expanduser()
+
+    @property
+    def db_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.home_dir / 'tokenmill.db'}"
+
+    @property
+    def cache_dir(self) -> Path:
+        return (self.model_cache or self.home_dir / "models").expanduser()
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.home_dir / "spool"
+
+    def ensure_secrets(self) -> None:
+        """Fill unset secrets from HOME/secrets.json, generating them on first start.
+
+        Only the embedded mode relies on this; production passes them in the environment.
+        """
+        path = self.home_dir / "secrets.json"
+        stored: dict[str, str] = {}
+        if path.exists():
+            stored = json.loads(path.read_text())
+        changed = False
+        for name in ("internal_token", "secret_key"):
+            if getattr(self, name):
+                continue
+            if name not in stored:
+                stored[name] = secrets.token_urlsafe(32)
+                changed = True
+            setattr(self, name, stored[name])
+        if changed:
+            self.home_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(stored, f)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(environment variable, default, description) for every setting: the README's reference."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        env = alias.choices[0] if isinstance(alias, AliasChoices) else f"TOKENMILL_{name.upper()}"
+        rows.append((str(env), str(field.default), field.description or ""))
+    return rows
