@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from advanced_alchemy.types import DateTimeUTC
+from litestar.datastructures import State
 from sqlalchemy import MetaData, event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -67,3 +69,15 @@ def make_engine(url: str) -> AsyncEngine:
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+async def provide_db_session(state: State) -> AsyncIterator[AsyncSession]:
+    """Request-scoped session (Litestar dependency `db_session`): commits when the handler
+    returns, rolls back when it raises, so a failed request never leaves half a record."""
+    async with state.sessionmaker() as session:
+        try:
+            yield session
+            await session.commit()
+        except BaseException:
+            await session.rollback()
+            raise

@@ -1,0 +1,1 @@
+"""Autoscaler: the reconciler, the scaling policy and providers (local processes, Kubernetes)."""

@@ -1,0 +1,122 @@
+"""Admin API under /admin/v1 (HTTP only; the logic is in services.py)."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, delete, get, post
+from litestar.connection import ASGIConnection
+from litestar.di import Provide
+from litestar.handlers import BaseRouteHandler
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from control_plane.models import ApiKey, Organization
+from control_plane.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, OrganizationCreate, OrganizationOut
+from control_plane.services import ApiKeyService, OrganizationService, authenticate
+from tokenmill.errors import APIError
+
+ADMIN_ROLES = ("platform_admin", "org_admin")
+
+
+async def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not secret:
+        raise APIError(401, "Admin endpoints need 'Authorization: Bearer <admin key>'.", code="invalid_api_key")
+    state = connection.app.state
+    async with state.sessionmaker() as session:
+        key, _org = await authenticate(session, secret.strip(), state.settings.secret_key)
+    if key.role not in ADMIN_ROLES:
+        raise APIError(403, "This key may not use the admin API.", code="insufficient_permissions")
+    connection.state.admin = key
+
+
+def provide_admin(request: Request) -> ApiKey:
+    return request.state.admin
+
+
+def _check_org(admin: ApiKey, org_id: str) -> None:
+    # Organisation admins see their own organisation only; answer 404 rather than 403 so
+    # other tenants' ids cannot be probed.
+    if admin.role != "platform_admin" and admin.org_id != org_id:
+        raise APIError(404, f"No organisation '{org_id}'.", code="not_found")
+
+
+def _org_out(o: Organization) -> OrganizationOut:
+    return OrganizationOut(id=o.id, name=o.name, status=o.status, created_at=o.created_at)
+
+
+def _key_out(k: ApiKey) -> ApiKeyOut:
+    return ApiKeyOut(
+        id=k.id,
+        org_id=k.org_id,
+        prefix=k.prefix,
+        name=k.name,
+        role=k.role,
+        scopes=k.scopes,
+        created_at=k.created_at,
+        expires_at=k.expires_at,
+        revoked_at=k.revoked_at,
+    )
+
+
+async def provide_orgs(db_session: AsyncSession) -> OrganizationService:
+    return OrganizationService(session=db_session)
+
+
+async def provide_keys(db_session: AsyncSession) -> ApiKeyService:
+    return ApiKeyService(session=db_session)
+
+
+class AdminController(Controller):
+    path = "/admin/v1"
+    guards = [require_admin]  # noqa: RUF012
+    tags = ["Admin"]  # noqa: RUF012
+    dependencies = {  # noqa: RUF012
+        "admin": Provide(provide_admin, sync_to_thread=False),
+        "orgs": Provide(provide_orgs),
+        "keys": Provide(provide_keys),
+    }
+
+    @get("/organizations")
+    async def list_organizations(self, admin: ApiKey, orgs: OrganizationService) -> list[OrganizationOut]:
+        if admin.role == "platform_admin":
+            found = await orgs.list(order_by=[(Organization.created_at, False)])
+        else:
+            found = await orgs.list(Organization.id == admin.org_id)
+        return [_org_out(o) for o in found]
+
+    @post("/organizations")
+    async def create_organization(
+        self, data: OrganizationCreate, admin: ApiKey, orgs: OrganizationService
+    ) -> OrganizationOut:
+        if admin.role != "platform_admin":
+            raise APIError(403, "Only platform admins create organisations.", code="insufficient_permissions")
+        return _org_out(await orgs.create_org(data.name))
+
+    @get("/organizations/{org_id:str}/keys")
+    async def list_keys(self, org_id: str, admin: ApiKey, keys: ApiKeyService) -> list[ApiKeyOut]:
+        _check_org(admin, org_id)
+        return [_key_out(k) for k in await keys.list_for_org(org_id)]
+
+    @post("/organizations/{org_id:str}/keys")
+    async def create_key(
+        self, org_id: str, data: ApiKeyCreate, admin: ApiKey, orgs: OrganizationService, keys: ApiKeyService,
+        request: Request,
+    ) -> ApiKeyCreated:
+        _check_org(admin, org_id)
+        org = await orgs.by_ref(org_id)
+        if data.role == "platform_admin" and admin.role != "platform_admin":
+            raise APIError(403, "Only platform admins create platform-admin keys.", param="role")
+        created = await keys.create_key(
+            org_id=org.id,
+            secret_key=request.app.state.settings.secret_key,
+            name=data.name,
+            role=data.role,
+            scopes=data.scopes,
+            expires_at=data.expires_at,
+        )
+        out = _key_out(created.key)
+        return ApiKeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, secret=created.secret)
+
+    @delete("/keys/{key_id:str}", status_code=200)
+    async def revoke_key(self, key_id: str, admin: ApiKey, keys: ApiKeyService) -> ApiKeyOut:
+        org_id = None if admin.role == "platform_admin" else admin.org_id
+        return _key_out(await keys.revoke(key_id, org_id=org_id))

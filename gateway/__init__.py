@@ -1,0 +1,1 @@
+"""The public OpenAI-compatible API: auth, model resolution, tokenization, routing, metering."""

@@ -1,0 +1,531 @@
+"""The event bus: append-only streams of JSON events (worker heartbeats, KV events, usage).
+
+Two implementations behind one interface:
+
+- `RedisBus`: Redis Streams, shared by every gateway replica, billing and the workers.
+- `MemoryBus`: in-process, for the embedded mode; local workers reach it through the
+  internal HTTP endpoint (`tokenmill/internal.py`) with an `HttpPublisher`.
+
+Entry ids look like Redis's `<ms>-<seq>` in both, so a reader can keep "the last id I saw"
+and resume from it whichever backend runs. Streams are capped (approximately, like
+`XADD MAXLEN ~`) so a stream nobody reads cannot grow without bound.
+
+Two ways to read:
+
+- `read(stream, after)`: every reader sees every entry (fan-out), e.g. each gateway
+  replica tails the worker and KV streams for its fleet view.
+- `read_group(stream, group, consumer)` + `ack`: consumer groups, each entry goes to one
+  consumer of the group and stays pending until acknowledged (at-least-once), e.g.
+  billing's usage consumer. A consumer's un-acknowledged entries are delivered again the
+  first time a new bus instance reads for that consumer name (i.e. after a restart), or
+  after `replay_pending`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+import urllib.parse
+from abc import abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import httpx
+import msgspec
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from tokenmill.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAXLEN = 100_000
+# Field holding the JSON payload in a Redis stream entry.
+FIELD = b"d"
+
+Event = msgspec.Struct | dict[str, Any]
+Entry = tuple[str, bytes]  # (entry id, raw JSON)
+StreamID = tuple[int, int]  # (milliseconds, sequence), ordered like Redis ids
+
+
+class BusError(RuntimeError):
+    """Base class of the bus's own errors."""
+
+
+class BusPublishError(BusError):
+    """An event could not be published (internal endpoint refused it or is unreachable)."""
+
+
+class BusConfigError(BusError):
+    """The settings do not say where events should go."""
+
+
+def encode(event: Event) -> bytes:
+    return msgspec.json.encode(event)
+
+
+def parse_id(entry_id: str) -> StreamID:
+    """`"<ms>-<seq>"` (or a bare `"<ms>"`, meaning seq 0, as Redis reads it) to a comparable tuple."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"invalid stream entry id {entry_id!r}") from None
+
+
+def format_id(sid: StreamID) -> str:
+    return f"{sid[0]}-{sid[1]}"
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """What a producer needs: workers (heartbeats, KV events) and the gateway (usage)."""
+
+    async def publish(self, stream: str, event: Event) -> str:
+        """Append `event` (encoded with `msgspec.json.encode`) and return its entry id."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class EventBus(Publisher):
+    """Publisher plus readers. Subclasses: `MemoryBus`, `RedisBus`."""
+
+    @abstractmethod
+    async def publish(self, stream: str, event: Event) -> str: ...
+
+    @abstractmethod
+    async def read(
+        self, stream: str, after: str = "$", *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        """Entries with an id strictly greater than `after`, oldest first, at most `count`.
+
+        `after="$"` means only entries added after this call starts (callers then keep the
+        last id they saw and pass it next time; use `last_id` to start from "now" without a
+        gap), `"0"` means from the beginning. Waits up to `block` seconds when there is
+        nothing yet (`block <= 0`: do not wait) and returns `[]` on timeout.
+        """
+
+    @abstractmethod
+    async def last_id(self, stream: str) -> str:
+        """The id of the last entry ever added (`"0-0"` for a new stream).
+
+        Reading with `after=last_id()` then sees everything published after this call,
+        which `"$"` cannot promise across successive calls.
+        """
+
+    @abstractmethod
+    async def read_group(
+        self, stream: str, group: str, consumer: str, *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        """Entries for `consumer` of `group` (created on first use, from the stream's start).
+
+        First this consumer's pending (delivered, not acknowledged) entries, the first time
+        this bus instance reads for it or after `replay_pending`; then new entries, each
+        delivered to exactly one consumer of the group. Pending entries whose data was
+        trimmed away meanwhile are acknowledged and skipped (nothing left to deliver).
+        """
+
+    @abstractmethod
+    async def ack(self, stream: str, group: str, *ids: str) -> int:
+        """Acknowledge entries of `group`; returns how many were pending."""
+
+    @abstractmethod
+    async def replay_pending(self, stream: str, group: str, consumer: str) -> None:
+        """Make the next `read_group` of `consumer` start again with its pending entries.
+
+        A consumer that failed to process a batch calls this to retry it without a restart.
+        """
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+# --- in memory --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Group:
+    cursor: StreamID = (0, 0)  # last entry delivered to any consumer of the group
+    owner: dict[StreamID, str] = field(default_factory=dict)  # pending entry -> consumer
+    # consumer -> its pending entries; insertion order is id order since deliveries only
+    # move forward.
+    pending: dict[str, dict[StreamID, None]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Stream:
+    ids: list[StreamID] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    last: StreamID = (0, 0)
+    # Set (and replaced) on every publish: waiting readers take the current event, so a
+    # publish between their check and their wait still wakes them.
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    groups: dict[str, _Group] = field(default_factory=dict)
+
+
+class MemoryBus(EventBus):
+    """In-process bus for the embedded mode. Not shared between processes."""
+
+    def __init__(self, *, maxlen: int = DEFAULT_MAXLEN, stream_maxlen: Mapping[str, int | None] | None = None):
+        self._maxlen = maxlen
+        self._stream_maxlen = dict(stream_maxlen or {})
+        self._streams: dict[str, _Stream] = {}
+        # (stream, group, consumer) -> position in the consumer's pending entries while
+        # replaying them; None once caught up (then new entries are delivered).
+        self._replay: dict[tuple[str, str, str], StreamID | None] = {}
+        self._closed = False
+
+    def _stream(self, name: str) -> _Stream:
+        st = self._streams.get(name)
+        if st is None:
+            st = self._streams[name] = _Stream()
+        return st
+
+    def _next_id(self, st: _Stream) -> StreamID:
+        ms = time.time_ns() // 1_000_000
+        # Same rule as Redis: never go backwards, even if the wall clock does.
+        return (ms, 0) if ms > st.last[0] else (st.last[0], st.last[1] + 1)
+
+    def _trim(self, name: str, st: _Stream) -> None:
+        maxlen = self._stream_maxlen.get(name, self._maxlen)
+        if maxlen is None:
+            return
+        # Approximate like MAXLEN ~: trim in chunks so the list shift is amortised.
+        if len(st.ids) > maxlen + max(1, maxlen // 10):
+            excess = len(st.ids) - maxlen
+            del st.ids[:excess]
+            del st.entries[:excess]
+
+    async def publish(self, stream: str, event: Event) -> str:
+        if self._closed:
+            raise BusError("bus is closed")
+        data = encode(event)
+        st = self._stream(stream)
+        sid = self._next_id(st)
+        st.last = sid
+        entry_id = format_id(sid)
+        st.ids.append(sid)
+        st.entries.append((entry_id, data))
+        self._trim(stream, st)
+        st.wakeup.set()
+        st.wakeup = asyncio.Event()
+        return entry_id
+
+    async def _wait(self, st: _Stream, deadline: float, waiter: asyncio.Event) -> bool:
+        """Wait for a publish until `deadline`; False on timeout or when closed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or self._closed:
+            return False
+        try:
+            await asyncio.wait_for(waiter.wait(), remaining)
+        except TimeoutError:
+            return False
+        return not self._closed
+
+    async def read(
+        self, stream: str, after: str = "$", *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        st = self._stream(stream)
+        start = st.last if after == "$" else parse_id(after)
+        deadline = time.monotonic() + block
+        while True:
+            waiter = st.wakeup
+            i = bisect.bisect_right(st.ids, start)
+            if i < len(st.ids):
+                return st.entries[i : i + count]
+            if not await self._wait(st, deadline, waiter):
+                return []
+
+    async def last_id(self, stream: str) -> str:
+        st = self._streams.get(stream)
+        return format_id(st.last) if st else "0-0"
+
+    def _entry(self, st: _Stream, sid: StreamID) -> Entry | None:
+        i = bisect.bisect_left(st.ids, sid)
+        return st.entries[i] if i < len(st.ids) and st.ids[i] == sid else None
+
+    async def read_group(
+        self, stream: str, group: str, consumer: str, *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        st = self._stream(stream)
+        g = st.groups.get(group)
+        if g is None:
+            g = st.groups[group] = _Group()
+        mine = g.pending.setdefault(consumer, {})
+        key = (stream, group, consumer)
+
+        replay_from = self._replay.get(key, (0, 0))
+        if replay_from is not None:
+            batch: list[Entry] = []
+            gone: list[StreamID] = []
+            for sid in mine:
+                if sid <= replay_from:
+                    continue
+                entry = self._entry(st, sid)
+                if entry is None:
+                    gone.append(sid)  # trimmed: nothing left to deliver
+                    continue
+                batch.append(entry)
+                if len(batch) >= count:
+                    break
+            for sid in gone:
+                del mine[sid]
+                g.owner.pop(sid, None)
+            if batch:
+                self._replay[key] = parse_id(batch[-1][0])
+                return batch
+            self._replay[key] = None
+
+        deadline = time.monotonic() + block
+        while True:
+            waiter = st.wakeup
+            i = bisect.bisect_right(st.ids, g.cursor)
+            if i < len(st.ids):
+                batch = st.entries[i : i + count]
+                for sid in st.ids[i : i + len(batch)]:
+                    mine[sid] = None
+                    g.owner[sid] = consumer
+                g.cursor = st.ids[i + len(batch) - 1]
+                return batch
+            if not await self._wait(st, deadline, waiter):
+                return []
+
+    async def ack(self, stream: str, group: str, *ids: str) -> int:
+        st = self._streams.get(stream)
+        g = st.groups.get(group) if st else None
+        if g is None:
+            return 0
+        n = 0
+        for entry_id in ids:
+            sid = parse_id(entry_id)
+            consumer = g.owner.pop(sid, None)
+            if consumer is not None:
+                g.pending[consumer].pop(sid, None)
+                n += 1
+        return n
+
+    async def replay_pending(self, stream: str, group: str, consumer: str) -> None:
+        self._replay[(stream, group, consumer)] = (0, 0)
+
+    async def close(self) -> None:
+        # Wake blocked readers so they return instead of waiting out their timeout.
+        self._closed = True
+        for st in self._streams.values():
+            st.wakeup.set()
+
+
+# --- Redis ------------------------------------------------------------------------------
+
+
+def _entries(resp: Any) -> list[Entry]:
+    """Normalise XREAD/XREADGROUP replies for one stream across redis-py's reply shapes."""
+    if not resp:
+        return []
+    # RESP2: [[stream, entries]]; RESP3: {stream: entries} or {stream: [entries]}.
+    value = next(iter(resp.values())) if isinstance(resp, dict) else resp[0][1]
+    if value and isinstance(value[0], list):
+        value = value[0]
+    out: list[Entry] = []
+    for entry_id, fields in value or ():
+        if entry_id is None:
+            continue
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        data = (fields or {}).get(FIELD)
+        if data is None and fields:
+            data = fields.get(FIELD.decode())
+        out.append((eid, data if data is not None else b""))
+    return out
+
+
+def _is_busygroup(exc: Exception) -> bool:
+    return str(exc).startswith("BUSYGROUP")
+
+
+class RedisBus(EventBus):
+    """Redis Streams: `XADD MAXLEN ~`, `XREAD BLOCK`, consumer groups with `XREADGROUP`.
+
+    Blocking reads are capped at `max_block` seconds so they always finish before the
+    client's socket timeout (redis-py defaults to 5 s); callers loop anyway.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        maxlen: int = DEFAULT_MAXLEN,
+        stream_maxlen: Mapping[str, int | None] | None = None,
+        owns_client: bool = False,
+        max_block: float = 4.0,
+    ):
+        self._redis = redis
+        self._maxlen = maxlen
+        self._stream_maxlen = dict(stream_maxlen or {})
+        self._owns_client = owns_client
+        self._max_block = max_block
+        self._groups: set[tuple[str, str]] = set()
+        self._replay: dict[tuple[str, str, str], str | None] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisBus:
+        from redis.asyncio import Redis
+
+        return cls(Redis.from_url(url), owns_client=True, **kwargs)
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
+
+    def _block_ms(self, block: float) -> int | None:
+        if block <= 0:
+            return None  # no BLOCK at all: BLOCK 0 would mean "forever"
+        return max(1, int(min(block, self._max_block) * 1000))
+
+    async def publish(self, stream: str, event: Event) -> str:
+        maxlen = self._stream_maxlen.get(stream, self._maxlen)
+        entry_id = await self._redis.xadd(stream, {FIELD: encode(event)}, maxlen=maxlen, approximate=True)
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def read(
+        self, stream: str, after: str = "$", *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        resp = await self._redis.xread({stream: after}, count=count, block=self._block_ms(block))
+        return _entries(resp)
+
+    async def last_id(self, stream: str) -> str:
+        from redis.exceptions import ResponseError
+
+        try:
+            info = await self._redis.xinfo_stream(stream)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return "0-0"
+            raise
+        last = info.get("last-generated-id") or info.get(b"last-generated-id") or b"0-0"
+        return last.decode() if isinstance(last, bytes) else str(last)
+
+    async def _ensure_group(self, stream: str, group: str) -> None:
+        if (stream, group) in self._groups:
+            return
+        from redis.exceptions import ResponseError
+
+        try:
+            # From the start: events published before the first consumer ran are not lost.
+            await self._redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if not _is_busygroup(exc):
+                raise
+        self._groups.add((stream, group))
+
+    async def read_group(
+        self, stream: str, group: str, consumer: str, *, block: float = 1.0, count: int = 100
+    ) -> list[Entry]:
+        await self._ensure_group(stream, group)
+        key = (stream, group, consumer)
+        replay_from = self._replay.get(key, "0")
+        while replay_from is not None:
+            # An explicit id reads this consumer's pending entries (its PEL), after that id.
+            resp = await self._redis.xreadgroup(group, consumer, {stream: replay_from}, count=count)
+            entries = _entries(resp)
+            if not entries:
+                self._replay[key] = replay_from = None
+                break
+            self._replay[key] = entries[-1][0]
+            batch = [e for e in entries if e[1]]
+            gone = [e[0] for e in entries if not e[1]]
+            if gone:
+                # Trimmed before it was processed: the data is gone, so do not keep it pending.
+                log.warning("bus: %d pending entries of %s/%s were trimmed", len(gone), stream, group)
+                await self._redis.xack(stream, group, *gone)
+            if batch:
+                return batch
+            replay_from = self._replay[key]
+        resp = await self._redis.xreadgroup(
+            group, consumer, {stream: ">"}, count=count, block=self._block_ms(block)
+        )
+        return _entries(resp)
+
+    async def ack(self, stream: str, group: str, *ids: str) -> int:
+        if not ids:
+            return 0
+        return int(await self._redis.xack(stream, group, *ids))
+
+    async def replay_pending(self, stream: str, group: str, consumer: str) -> None:
+        self._replay[(stream, group, consumer)] = "0"
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._redis.aclose()
+
+
+# --- over HTTP --------------------------------------------------------------------------
+
+
+class HttpPublisher:
+    """Publishes through the server's internal bus endpoint (embedded mode, no Redis).
+
+    One shared `httpx.AsyncClient` (keep-alive) for every event.
+    """
+
+    def __init__(
+        self,
+        bus_url: str,
+        token: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        timeout: float = 5.0,
+    ):
+        if not token:
+            raise BusConfigError("HttpPublisher needs the internal token (TOKENMILL_INTERNAL_TOKEN)")
+        self._base = bus_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(timeout=timeout)
+
+    async def publish(self, stream: str, event: Event) -> str:
+        url = f"{self._base}/{urllib.parse.quote(stream, safe=':')}"
+        try:
+            resp = await self._client.post(url, content=encode(event), headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise BusPublishError(f"cannot reach the bus endpoint {url}: {exc!r}") from exc
+        if not resp.is_success:
+            raise BusPublishError(f"bus endpoint {url} answered {resp.status_code}: {resp.text[:300]}")
+        try:
+            return str(resp.json()["id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BusPublishError(f"bus endpoint {url} answered without an id: {resp.text[:300]}") from exc
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+# --- factories --------------------------------------------------------------------------
+
+
+def make_bus(settings: Settings, **kwargs: Any) -> EventBus:
+    """The bus a server hosts: Redis when REDIS_URL is set, else in memory.
+
+    `kwargs` go to the constructor (`maxlen`, `stream_maxlen`).
+    """
+    if settings.redis_url:
+        return RedisBus.from_url(settings.redis_url, **kwargs)
+    return MemoryBus(**kwargs)
+
+
+def make_publisher(settings: Settings) -> Publisher:
+    """How a worker publishes: Redis directly, else the server's internal endpoint."""
+    if settings.redis_url:
+        return RedisBus.from_url(settings.redis_url)
+    if settings.bus_url:
+        if not settings.internal_token:
+            raise BusConfigError("TOKENMILL_BUS_URL is set but TOKENMILL_INTERNAL_TOKEN is not")
+        return HttpPublisher(settings.bus_url, settings.internal_token)
+    raise BusConfigError(
+        "no event bus configured: set REDIS_URL, or TOKENMILL_BUS_URL (with TOKENMILL_INTERNAL_TOKEN)"
+        " to publish through a server's internal endpoint"
+    )

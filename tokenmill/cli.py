@@ -1,0 +1,459 @@
+"""The `tokenmill` command and the composition root.
+
+This is the one module of `tokenmill/` that knows the other packages; it imports them
+lazily (inside functions) so `tokenmill --help` stays fast and a worker never loads the
+gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from tokenmill import __version__
+from tokenmill.settings import Settings
+
+if TYPE_CHECKING:
+    from litestar import Litestar
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger("tokenmill")
+
+
+def _settings(**overrides: Any) -> Settings:
+    settings = Settings()
+    for name, value in overrides.items():
+        if value is not None:
+            setattr(settings, name, value)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return settings
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+# --- the app ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Parts:
+    """What one process serves: the embedded server turns everything on."""
+
+    gateway: bool = False
+    admin: bool = False
+    internal_bus: bool = False
+    consumers: bool = False
+    on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
+
+
+def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
+    import httpx
+    from litestar import Litestar, MediaType, Response, get
+    from litestar.di import Provide
+    from litestar.openapi import OpenAPIConfig
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from tokenmill.bus import make_bus
+    from tokenmill.db import make_sessionmaker, provide_db_session
+    from tokenmill.errors import exception_handlers
+
+    sessionmaker = make_sessionmaker(engine)
+    bus = make_bus(settings)
+    handlers: list[Any] = []
+    dependencies: dict[str, Provide] = {"db_session": Provide(provide_db_session)}
+    services: list[Any] = []  # objects with start()/stop()
+    state: dict[str, Any] = {"settings": settings, "sessionmaker": sessionmaker, "bus": bus}
+    consumer = f"{socket.gethostname()}-{os.getpid()}"
+
+    http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0))
+    fleet = None
+    if parts.gateway:
+        from gateway.controllers import OpenAIController, provide_caller
+        from gateway.fleet import FleetView
+        from gateway.services import Gateway
+
+        fleet = FleetView(bus, timeout=settings.worker_timeout_seconds)
+        services.append(fleet)
+        state["gateway"] = Gateway(settings, sessionmaker=sessionmaker, fleet=fleet, publisher=bus, http=http)
+        dependencies["gateway"] = Provide(lambda: state["gateway"], sync_to_thread=False)
+        dependencies["caller"] = Provide(provide_caller, sync_to_thread=False)
+        handlers.append(OpenAIController)
+    if parts.admin:
+        from control_plane.controllers import AdminController
+
+        handlers.append(AdminController)
+    if parts.consumers:
+        from billing.services import UsageConsumer
+        from control_plane.services import WorkerLifetimes
+
+        services += [UsageConsumer(bus, sessionmaker, consumer), WorkerLifetimes(bus, sessionmaker, consumer)]
+    if parts.internal_bus:
+        from tokenmill.internal import internal_router
+
+        assert settings.internal_token
+        handlers.append(internal_router(bus, settings.internal_token))
+
+    @get("/health", include_in_schema=False)
+    async def health() -> dict[str, Any]:
+        body: dict[str, Any] = {"status": "ok", "version": __version__}
+        if fleet is not None:
+            body["workers"] = sum(1 for w in fleet.workers.values() if not w.draining)
+        return body
+
+    @get("/metrics", include_in_schema=False, media_type=MediaType.TEXT)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        for service in services:
+            await service.start()
+        try:
+            yield
+        finally:
+            for service in reversed(services):
+                await service.stop()
+            await http.aclose()
+            await bus.close()
+            await engine.dispose()
+
+    app = Litestar(
+        route_handlers=[*handlers, health, metrics],
+        dependencies=dependencies,
+        exception_handlers=exception_handlers(),
+        lifespan=[lifespan],
+        openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
+        debug=False,
+    )
+    app.state.update(state)
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        _fail(f"cannot listen on {host}:{port}: {exc.strerror}. Set TOKENMILL_PORT to another port.")
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+async def _serve_app(app: Litestar, sock: socket.socket, settings: Settings) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler
+    # here lets our own cleanup (stopping workers) run and the process exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    await server.serve(sockets=[sock])
+
+
+async def _migrate(settings: Settings) -> None:
+    import migrations
+
+    await asyncio.to_thread(migrations.upgrade, settings.db_url)
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tokenmill")
+def main() -> None:
+    """Tokenmill: a self-hostable, OpenAI-compatible LLM inference platform."""
+
+
+@main.command()
+@click.option("--host", help="Listen address [env TOKENMILL_HOST, default 127.0.0.1].")
+@click.option("--port", type=int, help="Listen port [env TOKENMILL_PORT, default 8000].")
+@click.option("--model", help="Model to serve [env TOKENMILL_MODEL, default the bundled SmolLM2].")
+@click.option("--no-worker", is_flag=True, help="Do not start a local worker.")
+def serve(host: str | None, port: int | None, model: str | None, no_worker: bool) -> None:
+    """Run everything in one process: gateway, admin API, bus, billing and one local worker.
+
+    State (SQLite database, converted models, secrets) lives under TOKENMILL_HOME.
+    """
+    settings = _settings(host=host, port=port, model=model)
+    if no_worker:
+        settings.spawn_worker = False
+    settings.ensure_secrets()
+    try:
+        asyncio.run(_serve(settings))
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve(settings: Settings) -> None:
+    from autoscaler.local import LocalProcessProvider
+    from control_plane.services import bootstrap
+    from tokenmill.db import make_engine, make_sessionmaker
+    from tokenmill.modelstore import model_name, resolve_model
+    from tokenmill.tokenization import Tokenizer
+
+    sock = _bind(settings.host, settings.port)
+    click.echo(f"Preparing {settings.model} (the first start converts it; later starts are instant)...", err=True)
+    try:
+        model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    context_length = Tokenizer.from_dir(model_dir).context_length or 2048
+    await _migrate(settings)
+    engine = make_engine(settings.db_url)
+    boot = await bootstrap(
+        make_sessionmaker(engine),
+        secret_key=settings.secret_key or "",
+        model_name=model_name(settings.model),
+        model_source=settings.model,
+        model_format="gguf" if settings.model.endswith((".gguf", "smollm2")) else "hf",
+        context_length=context_length,
+    )
+    url = f"http://{settings.host}:{settings.port}"
+    parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
+    app = create_app(settings, engine, parts)
+    provider = LocalProcessProvider(
+        env={
+            "TOKENMILL_INTERNAL_TOKEN": settings.internal_token or "",
+            "TOKENMILL_BUS_URL": f"{url}/internal/bus",
+            "TOKENMILL_HOME": str(settings.home_dir),
+            "TOKENMILL_MODEL_CACHE": str(settings.cache_dir),
+            "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
+        }
+    )
+    if settings.spawn_worker:
+        provider.start(boot.deployment.id, settings.model)
+    if boot.admin_secret:
+        click.echo(
+            "\nCreated organisation 'default' and an admin API key. It is shown only once; keep it:\n\n"
+            f"{boot.admin_secret}\n"
+        )
+    click.echo(f"Tokenmill {__version__} serving {boot.model.name} on {url}  (OpenAI base URL: {url}/v1)")
+    try:
+        await _serve_app(app, sock, settings)
+    finally:
+        await asyncio.to_thread(provider.stop_all)
+        click.echo("Tokenmill stopped.", err=True)
+
+
+@main.command()
+@click.option("--host", help="Listen address [env TOKENMILL_HOST].")
+@click.option("--port", type=int, help="Listen port [env TOKENMILL_PORT].")
+def gateway(host: str | None, port: int | None) -> None:
+    """Run a gateway replica (production: needs DATABASE_URL and REDIS_URL)."""
+    settings = _settings(host=host, port=port)
+    _require_production(settings)
+    _run_server(settings, Parts(gateway=True))
+
+
+@main.command("control-plane")
+@click.option("--host", help="Listen address [env TOKENMILL_HOST].")
+@click.option("--port", type=int, help="Listen port [env TOKENMILL_PORT].")
+def control_plane(host: str | None, port: int | None) -> None:
+    """Run the admin API and the ledger consumers (production: needs DATABASE_URL and REDIS_URL)."""
+    settings = _settings(host=host, port=port)
+    _require_production(settings)
+    _run_server(settings, Parts(admin=True, consumers=True))
+
+
+def _require_production(settings: Settings) -> None:
+    missing = [n for n, v in (("DATABASE_URL", settings.database_url), ("REDIS_URL", settings.redis_url)) if not v]
+    missing += [
+        f"TOKENMILL_{n.upper()}" for n in ("internal_token", "secret_key") if not getattr(settings, n)
+    ]
+    if missing:
+        _fail(f"set {', '.join(missing)} (or use `tokenmill serve` for the all-in-one server)", 2)
+
+
+def _run_server(settings: Settings, parts: Parts) -> None:
+    from tokenmill.db import make_engine
+
+    async def run() -> None:
+        sock = _bind(settings.host, settings.port)
+        app = create_app(settings, make_engine(settings.db_url), parts)
+        await _serve_app(app, sock, settings)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+@main.command()
+@click.option("--model", help="Model source: bundled:smollm2, an HF directory or a .gguf file.")
+@click.option("--deployment", "deployment_id", help="Deployment id this worker serves.")
+@click.option("--host", help="Listen address [env TOKENMILL_WORKER_HOST].")
+@click.option("--port", type=int, help="Listen port; 0 picks a free one [env TOKENMILL_WORKER_PORT].")
+@click.option("--worker-id", help="Worker id (default: generated).")
+@click.option("--exit-with-parent", is_flag=True, help="Exit when the parent process exits.")
+def worker(
+    model: str | None,
+    deployment_id: str | None,
+    host: str | None,
+    port: int | None,
+    worker_id: str | None,
+    exit_with_parent: bool,
+) -> None:
+    """Run one model worker; it joins the fleet through the bus."""
+    settings = _settings(model=model, worker_host=host, worker_port=port)
+    if not settings.internal_token:
+        _fail("set TOKENMILL_INTERNAL_TOKEN (workers only accept internal traffic)", 2)
+    from workers.main import run_worker
+
+    sys.exit(
+        run_worker(
+            settings,
+            model=settings.model,
+            deployment_id=deployment_id,
+            host=settings.worker_host,
+            port=settings.worker_port,
+            worker_id=worker_id,
+            exit_with_parent=exit_with_parent,
+        )
+    )
+
+
+@main.command()
+@click.argument("action", type=click.Choice(["upgrade", "downgrade", "current"]), default="upgrade")
+@click.option("--revision", default=None, help="Target revision (upgrade: head, downgrade: one step back).")
+def migrate(action: str, revision: str | None) -> None:
+    """Apply database migrations (DATABASE_URL, or the embedded SQLite file)."""
+    settings = _settings()
+    import migrations
+
+    if not settings.database_url:
+        settings.home_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if action == "upgrade":
+            migrations.upgrade(settings.db_url, revision or "head")
+        elif action == "downgrade":
+            migrations.downgrade(settings.db_url, revision or "-1")
+        else:
+            migrations.current(settings.db_url)
+    except Exception as exc:  # alembic and drivers raise many kinds; the message is what matters
+        _fail(f"migration failed: {exc}")
+    click.echo(f"database {action} done")
+
+
+# --- admin ------------------------------------------------------------------------------
+
+
+@main.group()
+def admin() -> None:
+    """Manage organisations and API keys directly in the database."""
+
+
+def _admin_run(fn: Callable[[Any], Any]) -> Any:
+    """Run fn(session) in a transaction against the configured database, with clear errors."""
+    from tokenmill.db import make_engine, make_sessionmaker
+    from tokenmill.errors import APIError
+
+    settings = _settings()
+    settings.ensure_secrets() if not settings.database_url else None
+
+    async def run() -> Any:
+        await _migrate(settings)
+        engine = make_engine(settings.db_url)
+        try:
+            async with make_sessionmaker(engine)() as session, session.begin():
+                return await fn(session)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(run())
+    except APIError as exc:
+        _fail(exc.message, 1)
+
+
+@admin.command("create-org")
+@click.argument("name")
+def create_org(name: str) -> None:
+    """Create an organisation."""
+    from control_plane.services import OrganizationService
+
+    org = _admin_run(lambda s: OrganizationService(session=s).create_org(name))
+    click.echo(f"{org.id}\t{org.name}")
+
+
+@admin.command("create-key")
+@click.option("--org", "org_ref", required=True, help="Organisation id or name.")
+@click.option("--name", default="", help="A label for the key.")
+@click.option("--role", type=click.Choice(["member", "org_admin", "platform_admin"]), default="member")
+@click.option("--scope", "scopes", multiple=True, help="Allowed model (repeat); default all.")
+def create_key(org_ref: str, name: str, role: str, scopes: tuple[str, ...]) -> None:
+    """Create an API key; the secret is printed once."""
+    from control_plane.services import ApiKeyService, OrganizationService
+
+    secret_key = _secret_key()
+
+    async def go(session: Any) -> Any:
+        org = await OrganizationService(session=session).by_ref(org_ref)
+        return await ApiKeyService(session=session).create_key(
+            org_id=org.id, secret_key=secret_key, name=name, role=role, scopes=list(scopes) or None
+        )
+
+    created = _admin_run(go)
+    click.echo(f"created key {created.key.id} ({created.key.prefix}...) for {org_ref}", err=True)
+    click.echo(created.secret)
+
+
+@admin.command("list-keys")
+@click.option("--org", "org_ref", required=True, help="Organisation id or name.")
+def list_keys(org_ref: str) -> None:
+    """List an organisation's API keys (never their secrets)."""
+    from control_plane.services import ApiKeyService, OrganizationService
+
+    async def go(session: Any) -> Any:
+        org = await OrganizationService(session=session).by_ref(org_ref)
+        return await ApiKeyService(session=session).list_for_org(org.id)
+
+    for k in _admin_run(go):
+        status = "revoked" if k.revoked_at else "active"
+        click.echo(f"{k.id}\t{k.prefix}...\t{k.role}\t{status}\t{k.name}")
+
+
+@admin.command("revoke-key")
+@click.argument("key")
+def revoke_key(key: str) -> None:
+    """Revoke an API key by id or prefix."""
+    from control_plane.services import ApiKeyService
+
+    revoked = _admin_run(lambda s: ApiKeyService(session=s).revoke(key))
+    click.echo(f"revoked {revoked.id} ({revoked.prefix}...)")
+
+
+def _secret_key() -> str:
+    settings = Settings()
+    if not settings.secret_key and not settings.database_url:
+        settings.ensure_secrets()
+    if not settings.secret_key:
+        _fail("set TOKENMILL_SECRET_KEY (the key API keys are hashed with)", 2)
+    return settings.secret_key or ""
+
+
+if __name__ == "__main__":
+    main()
