@@ -19,7 +19,9 @@ ADMIN_ROLES = ("platform_admin", "org_admin")
 async def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not secret:
-        raise APIError(401, "Admin endpoints need 'Authorization: Bearer <admin key>'.", code="invalid_api_key")
+        raise APIError(
+            401, "Admin endpoints need 'Authorization: Bearer <admin key>'.", code="invalid_api_key"
+        )
     state = connection.app.state
     async with state.sessionmaker() as session:
         key, _org = await authenticate(session, secret.strip(), state.settings.secret_key)
@@ -67,9 +69,9 @@ async def provide_keys(db_session: AsyncSession) -> ApiKeyService:
 
 class AdminController(Controller):
     path = "/admin/v1"
-    guards = [require_admin]  # noqa: RUF012
-    tags = ["Admin"]  # noqa: RUF012
-    dependencies = {  # noqa: RUF012
+    guards = [require_admin]
+    tags = ["Admin"]
+    dependencies = {
         "admin": Provide(provide_admin, sync_to_thread=False),
         "orgs": Provide(provide_orgs),
         "keys": Provide(provide_keys),
@@ -78,9 +80,9 @@ class AdminController(Controller):
     @get("/organizations")
     async def list_organizations(self, admin: ApiKey, orgs: OrganizationService) -> list[OrganizationOut]:
         if admin.role == "platform_admin":
-            found = await orgs.list(order_by=[(Organization.created_at, False)])
+            found = await orgs.get_many(order_by=[(Organization.created_at, False)])
         else:
-            found = await orgs.list(Organization.id == admin.org_id)
+            found = await orgs.get_many(Organization.id == admin.org_id)
         return [_org_out(o) for o in found]
 
     @post("/organizations")
@@ -98,7 +100,12 @@ class AdminController(Controller):
 
     @post("/organizations/{org_id:str}/keys")
     async def create_key(
-        self, org_id: str, data: ApiKeyCreate, admin: ApiKey, orgs: OrganizationService, keys: ApiKeyService,
+        self,
+        org_id: str,
+        data: ApiKeyCreate,
+        admin: ApiKey,
+        orgs: OrganizationService,
+        keys: ApiKeyService,
         request: Request,
     ) -> ApiKeyCreated:
         _check_org(admin, org_id)

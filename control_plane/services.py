@@ -85,7 +85,7 @@ class ApiKeyService(SQLAlchemyAsyncRepositoryService[ApiKey]):
         return CreatedKey(await self.create(key), new.secret)
 
     async def list_for_org(self, org_id: str) -> list[ApiKey]:
-        return list(await self.list(ApiKey.org_id == org_id, order_by=[(ApiKey.created_at, False)]))
+        return list(await self.get_many(ApiKey.org_id == org_id, order_by=[(ApiKey.created_at, False)]))
 
     async def revoke(self, ref: str, *, org_id: str | None = None) -> ApiKey:
         """Revoke by id or prefix; `org_id` confines the lookup to one tenant."""
@@ -200,7 +200,7 @@ async def bootstrap(
             )
             secret = created.secret
         elif org is None:
-            org = (await orgs.list(order_by=[(Organization.created_at, False)]))[0]
+            org = (await orgs.get_many(order_by=[(Organization.created_at, False)]))[0]
         catalog = CatalogService(session)
         model = await catalog.ensure_model(
             name=model_name,

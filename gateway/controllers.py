@@ -54,8 +54,8 @@ def _usage(d: GenerateDelta) -> Usage:
 
 class OpenAIController(Controller):
     path = "/v1"
-    guards = [require_api_key]  # noqa: RUF012
-    tags = ["OpenAI"]  # noqa: RUF012
+    guards = [require_api_key]
+    tags = ["OpenAI"]
 
     @get("/models", summary="List the models this key may use")
     async def list_models(self, gateway: Gateway, caller: Caller) -> ModelList:
@@ -89,13 +89,21 @@ class _Shape(msgspec.Struct):
 
 _chat = _Shape(
     final=lambda i, c, m, text, fin, u: ChatCompletion(
-        id=i, created=c, model=m, usage=u,
+        id=i,
+        created=c,
+        model=m,
+        usage=u,
         choices=[ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=fin)],
     ),
     chunk=lambda i, c, m, text, fin, first: ChatCompletionChunk(
-        id=i, created=c, model=m,
-        choices=[ChunkChoice(index=0, delta=Delta(role="assistant" if first else None, content=text),
-                             finish_reason=fin)],
+        id=i,
+        created=c,
+        model=m,
+        choices=[
+            ChunkChoice(
+                index=0, delta=Delta(role="assistant" if first else None, content=text), finish_reason=fin
+            )
+        ],
     ),
     usage_chunk=lambda i, c, m, u: ChatCompletionChunk(id=i, created=c, model=m, choices=[], usage=u),
 )

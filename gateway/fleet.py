@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -95,7 +96,7 @@ class FleetView:
             if w.deployment_id == deployment_id and w.seen >= cutoff and not w.draining
         ]
 
-    def pick(self, deployment_id: str, exclude: set[str] = frozenset()) -> WorkerState | None:  # type: ignore[assignment]
+    def pick(self, deployment_id: str, exclude: Collection[str] = ()) -> WorkerState | None:
         candidates = [w for w in self.live(deployment_id) if w.worker_id not in exclude]
         return min(candidates, key=lambda w: (w.load, w.kv_usage), default=None)
 
@@ -103,8 +104,10 @@ class FleetView:
         """Drop a worker that failed a request; its next heartbeat brings it back."""
         self.workers.pop(worker_id, None)
 
-    async def wait_for(self, deployment_id: str, timeout: float, exclude: set[str] = frozenset()) -> WorkerState | None:  # type: ignore[assignment]
-        deadline = time.monotonic() + timeout
+    async def wait_for(
+        self, deployment_id: str, wait: float, exclude: Collection[str] = ()
+    ) -> WorkerState | None:
+        deadline = time.monotonic() + wait
         while (worker := self.pick(deployment_id, exclude)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

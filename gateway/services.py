@@ -233,7 +233,9 @@ class Gateway:
                     if ttft is not None or len(tried) >= MAX_ATTEMPTS:
                         log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
                         raise APIError(
-                            503, "The model worker failed while generating; please retry.", code="worker_error"
+                            503,
+                            "The model worker failed while generating; please retry.",
+                            code="worker_error",
                         ) from exc
                     log.info("worker %s failed before the first token; retrying elsewhere", worker.worker_id)
                 finally:

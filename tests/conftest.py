@@ -9,6 +9,7 @@ Fixtures (others code against these names):
   dropped afterwards. Only databases this harness created are ever dropped.
 - ``sqlite_url`` (function): ``sqlite+aiosqlite:///`` file in ``tmp_path``.
 - ``db_url`` (function): parametrized over sqlite and postgresql, for code that must run on both.
+- ``migrated_db`` (function): an ``async_sessionmaker`` on a ``db_url`` database at migration head.
 - ``model_cache`` (session): a directory shared by the session for converted model files.
 
 Servers are started lazily (only when a test asks for them), never assumed to be running, and
@@ -25,12 +26,13 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -192,7 +195,9 @@ def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     stop = _Cleanup(_remove)
     try:
         url = f"redis://127.0.0.1:{port}/0"
-        _record_backend(request.config, "Redis", f"Redis {_redis_version(url)} (throwaway on 127.0.0.1:{port})")
+        _record_backend(
+            request.config, "Redis", f"Redis {_redis_version(url)} (throwaway on 127.0.0.1:{port})"
+        )
         yield url
     finally:
         stop()
@@ -371,7 +376,8 @@ async def _drop_database(server_url: str, name: str) -> None:
     conn = await asyncpg.connect(server_url)
     try:
         await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = $1 AND pid <> pg_backend_pid()",
             name,
         )
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
@@ -411,6 +417,22 @@ def db_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(fixture))
 
 
+@pytest.fixture
+async def migrated_db(db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """A session factory on a database at migration head, on SQLite and on PostgreSQL."""
+    # Imported here so a broken project module fails the tests that need it, not the harness.
+    import migrations
+    from tokenmill.db import make_engine, make_sessionmaker
+
+    # upgrade() runs its own event loop (env.py calls asyncio.run): keep it off this one.
+    await asyncio.to_thread(migrations.upgrade, db_url, "head")
+    engine = make_engine(db_url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        await engine.dispose()
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> Path:
     """Where converted model files (e.g. tokenizer.json from the bundled GGUF) persist across runs."""
@@ -422,6 +444,20 @@ def model_cache() -> Path:
 # --------------------------------------------------------------------------------------------
 # Hooks
 # --------------------------------------------------------------------------------------------
+
+
+def _terminate_as_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"received signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Treat SIGTERM (CI cancel, `timeout`, `kill`) like Ctrl-C.
+
+    By default SIGTERM ends Python without fixture teardown or atexit, which would leave the
+    throwaway servers running; as a KeyboardInterrupt, pytest tears the session down first.
+    """
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

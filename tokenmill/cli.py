@@ -204,10 +204,8 @@ def serve(host: str | None, port: int | None, model: str | None, no_worker: bool
     if no_worker:
         settings.spawn_worker = False
     settings.ensure_secrets()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(settings))
-    except KeyboardInterrupt:
-        pass
 
 
 async def _serve(settings: Settings) -> None:
@@ -218,7 +216,9 @@ async def _serve(settings: Settings) -> None:
     from tokenmill.tokenization import Tokenizer
 
     sock = _bind(settings.host, settings.port)
-    click.echo(f"Preparing {settings.model} (the first start converts it; later starts are instant)...", err=True)
+    click.echo(
+        f"Preparing {settings.model} (the first start converts it; later starts are instant)...", err=True
+    )
     try:
         model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     except (FileNotFoundError, ValueError) as exc:
@@ -282,7 +282,9 @@ def control_plane(host: str | None, port: int | None) -> None:
 
 
 def _require_production(settings: Settings) -> None:
-    missing = [n for n, v in (("DATABASE_URL", settings.database_url), ("REDIS_URL", settings.redis_url)) if not v]
+    missing = [
+        n for n, v in (("DATABASE_URL", settings.database_url), ("REDIS_URL", settings.redis_url)) if not v
+    ]
     missing += [
         f"TOKENMILL_{n.upper()}" for n in ("internal_token", "secret_key") if not getattr(settings, n)
     ]

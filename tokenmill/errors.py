@@ -84,10 +84,17 @@ def _http(_: Request, exc: HTTPException) -> Response:
 def _internal(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return Response(
-        error_body("The server had an error while processing your request.", "server_error", "internal_error"),
+        error_body(
+            "The server had an error while processing your request.", "server_error", "internal_error"
+        ),
         status_code=500,
     )
 
 
 def exception_handlers() -> dict[Any, Any]:
-    return {APIError: _api_error, ValidationException: _validation, HTTPException: _http, Exception: _internal}
+    return {
+        APIError: _api_error,
+        ValidationException: _validation,
+        HTTPException: _http,
+        Exception: _internal,
+    }

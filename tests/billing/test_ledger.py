@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from billing.models import UsageEvent
+from billing.services import UsageConsumer, record_usage
+from tokenmill.bus import MemoryBus
+from tokenmill.protocol import USAGE, UsageRecord
+
+
+def _rec(i: int) -> UsageRecord:
+    return UsageRecord(
+        request_id=f"req_{i}", org_id="org_a", model="m", prompt_tokens=10 + i, completion_tokens=i
+    )
+
+
+async def test_insert_is_idempotent(migrated_db: async_sessionmaker[AsyncSession]) -> None:
+    async with migrated_db() as s, s.begin():
+        assert await record_usage(s, [_rec(1), _rec(2)]) == 2
+    async with migrated_db() as s, s.begin():
+        # a redelivered batch, overlapping the first
+        assert await record_usage(s, [_rec(2), _rec(3), _rec(1)]) == 1
+    async with migrated_db() as s:
+        rows = (await s.execute(select(UsageEvent).order_by(UsageEvent.request_id))).scalars().all()
+    assert [r.request_id for r in rows] == ["req_1", "req_2", "req_3"]
+    assert sum(r.prompt_tokens for r in rows) == 11 + 12 + 13
+
+
+async def test_consumer_moves_events_into_the_ledger(migrated_db: async_sessionmaker[AsyncSession]) -> None:
+    bus = MemoryBus()
+    consumer = UsageConsumer(bus, migrated_db, "c1")
+    await consumer.start()
+    try:
+        for i in range(50):
+            await bus.publish(USAGE, _rec(i))
+        await bus.publish(USAGE, _rec(7))  # duplicate delivery
+        await bus.publish(USAGE, {"nonsense": True})  # malformed: dropped, not fatal
+        for _ in range(100):
+            async with migrated_db() as s:
+                n = await s.scalar(select(func.count()).select_from(UsageEvent))
+            if n == 50:
+                break
+            await asyncio.sleep(0.05)
+        assert n == 50
+        async with migrated_db() as s:
+            total = await s.scalar(select(func.sum(UsageEvent.completion_tokens)))
+        assert total == sum(range(50))
+    finally:
+        await consumer.stop()
+        await bus.close()
