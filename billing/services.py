@@ -95,3 +95,5 @@ class UsageConsumer:
             except Exception:
                 log.exception("usage consumer failed; retrying")
                 await asyncio.sleep(1.0)
+                # Hand the un-acked batch back so the next read retries it.
+                await self.bus.replay_pending(USAGE, self.GROUP, self.consumer)

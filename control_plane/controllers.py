@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from litestar import Controller, Request, delete, get, post
 from litestar.connection import ASGIConnection
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.handlers import BaseRouteHandler
+from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from control_plane.models import ApiKey, Organization
@@ -34,7 +35,7 @@ def provide_admin(request: Request) -> ApiKey:
     return request.state.admin
 
 
-def _check_org(admin: ApiKey, org_id: str) -> None:
+def _check_org(admin: NamedDependency[ApiKey], org_id: str) -> None:
     # Organisation admins see their own organisation only; answer 404 rather than 403 so
     # other tenants' ids cannot be probed.
     if admin.role != "platform_admin" and admin.org_id != org_id:
@@ -59,11 +60,11 @@ def _key_out(k: ApiKey) -> ApiKeyOut:
     )
 
 
-async def provide_orgs(db_session: AsyncSession) -> OrganizationService:
+async def provide_orgs(db_session: NamedDependency[AsyncSession]) -> OrganizationService:
     return OrganizationService(session=db_session)
 
 
-async def provide_keys(db_session: AsyncSession) -> ApiKeyService:
+async def provide_keys(db_session: NamedDependency[AsyncSession]) -> ApiKeyService:
     return ApiKeyService(session=db_session)
 
 
@@ -78,7 +79,9 @@ class AdminController(Controller):
     }
 
     @get("/organizations")
-    async def list_organizations(self, admin: ApiKey, orgs: OrganizationService) -> list[OrganizationOut]:
+    async def list_organizations(
+        self, admin: NamedDependency[ApiKey], orgs: NamedDependency[OrganizationService]
+    ) -> list[OrganizationOut]:
         if admin.role == "platform_admin":
             found = await orgs.get_many(order_by=[(Organization.created_at, False)])
         else:
@@ -87,25 +90,30 @@ class AdminController(Controller):
 
     @post("/organizations")
     async def create_organization(
-        self, data: OrganizationCreate, admin: ApiKey, orgs: OrganizationService
+        self,
+        data: JSONBody[OrganizationCreate],
+        admin: NamedDependency[ApiKey],
+        orgs: NamedDependency[OrganizationService],
     ) -> OrganizationOut:
         if admin.role != "platform_admin":
             raise APIError(403, "Only platform admins create organisations.", code="insufficient_permissions")
         return _org_out(await orgs.create_org(data.name))
 
     @get("/organizations/{org_id:str}/keys")
-    async def list_keys(self, org_id: str, admin: ApiKey, keys: ApiKeyService) -> list[ApiKeyOut]:
+    async def list_keys(
+        self, org_id: FromPath[str], admin: NamedDependency[ApiKey], keys: NamedDependency[ApiKeyService]
+    ) -> list[ApiKeyOut]:
         _check_org(admin, org_id)
         return [_key_out(k) for k in await keys.list_for_org(org_id)]
 
     @post("/organizations/{org_id:str}/keys")
     async def create_key(
         self,
-        org_id: str,
-        data: ApiKeyCreate,
-        admin: ApiKey,
-        orgs: OrganizationService,
-        keys: ApiKeyService,
+        org_id: FromPath[str],
+        data: JSONBody[ApiKeyCreate],
+        admin: NamedDependency[ApiKey],
+        orgs: NamedDependency[OrganizationService],
+        keys: NamedDependency[ApiKeyService],
         request: Request,
     ) -> ApiKeyCreated:
         _check_org(admin, org_id)
@@ -124,6 +132,8 @@ class AdminController(Controller):
         return ApiKeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, secret=created.secret)
 
     @delete("/keys/{key_id:str}", status_code=200)
-    async def revoke_key(self, key_id: str, admin: ApiKey, keys: ApiKeyService) -> ApiKeyOut:
+    async def revoke_key(
+        self, key_id: FromPath[str], admin: NamedDependency[ApiKey], keys: NamedDependency[ApiKeyService]
+    ) -> ApiKeyOut:
         org_id = None if admin.role == "platform_admin" else admin.org_id
         return _key_out(await keys.revoke(key_id, org_id=org_id))

@@ -251,6 +251,8 @@ class WorkerLifetimes:
             except Exception:
                 log.exception("worker lifetime consumer failed; retrying")
                 await asyncio.sleep(1.0)
+                # Hand the un-acked batch back so the next read retries it.
+                await self.bus.replay_pending(WORKERS, self.GROUP, self.consumer)
 
     async def apply(self, events: list[WorkerEvent]) -> None:
         async with self.sessionmaker() as session, session.begin():

@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
+from litestar.params import JSONBody
 from litestar.response import Stream
 
 from gateway.services import Caller, Gateway, Prompt, Target
@@ -58,12 +60,19 @@ class OpenAIController(Controller):
     tags = ["OpenAI"]
 
     @get("/models", summary="List the models this key may use")
-    async def list_models(self, gateway: Gateway, caller: Caller) -> ModelList:
+    async def list_models(
+        self, gateway: NamedDependency[Gateway], caller: NamedDependency[Caller]
+    ) -> ModelList:
         cards = [ModelCard(id=n, created=c, owned_by=o) for n, c, o in await gateway.models(caller)]
         return ModelList(data=cards)
 
     @post("/chat/completions", summary="Create a chat completion", status_code=200)
-    async def chat(self, data: ChatCompletionRequest, gateway: Gateway, caller: Caller) -> Response:
+    async def chat(
+        self,
+        data: JSONBody[ChatCompletionRequest],
+        gateway: NamedDependency[Gateway],
+        caller: NamedDependency[Caller],
+    ) -> Response:
         target = await gateway.resolve(caller, data.model)
         tok = await gateway.tokenizer(target)
         prompt = gateway.chat_prompt(data, tok, target)
@@ -71,7 +80,12 @@ class OpenAIController(Controller):
         return await _respond(gateway, caller, target, prompt, "chatcmpl", data.stream, include_usage, _chat)
 
     @post("/completions", summary="Create a text completion", status_code=200)
-    async def completions(self, data: CompletionRequest, gateway: Gateway, caller: Caller) -> Response:
+    async def completions(
+        self,
+        data: JSONBody[CompletionRequest],
+        gateway: NamedDependency[Gateway],
+        caller: NamedDependency[Caller],
+    ) -> Response:
         target = await gateway.resolve(caller, data.model)
         tok = await gateway.tokenizer(target)
         prompt = gateway.completion_prompt(data, tok, target)

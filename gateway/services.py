@@ -146,16 +146,18 @@ class Gateway:
         if req.echo or req.suffix:
             raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
             if len(prompt) != 1:
                 raise APIError(400, "Send one prompt per request for now.", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = tok.encode(prompt)
+        elif all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in prompt):
+            ids = [int(t) for t in prompt]
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
-            if any(not 0 <= t < tok.vocab_size for t in ids):
-                raise APIError(400, "Prompt token ids must lie within the vocabulary.", param="prompt")
+            raise APIError(
+                400, "'prompt' must be a string, a list of strings or a list of token ids.", param="prompt"
+            )
         if not ids:
             raise APIError(400, "The prompt must not be empty.", param="prompt")
         return Prompt(ids, self._sampling(req, ids, req.max_tokens or 16, target))

@@ -171,7 +171,9 @@ class _Stream:
 class MemoryBus(EventBus):
     """In-process bus for the embedded mode. Not shared between processes."""
 
-    def __init__(self, *, maxlen: int = DEFAULT_MAXLEN, stream_maxlen: Mapping[str, int | None] | None = None):
+    def __init__(
+        self, *, maxlen: int = DEFAULT_MAXLEN, stream_maxlen: Mapping[str, int | None] | None = None
+    ):
         self._maxlen = maxlen
         self._stream_maxlen = dict(stream_maxlen or {})
         self._streams: dict[str, _Stream] = {}
@@ -424,7 +426,23 @@ class RedisBus(EventBus):
     async def read_group(
         self, stream: str, group: str, consumer: str, *, block: float = 1.0, count: int = 100
     ) -> list[Entry]:
+        from redis.exceptions import ResponseError
+
         await self._ensure_group(stream, group)
+        try:
+            return await self._read_group(stream, group, consumer, block=block, count=count)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+        # The stream was deleted under us (e.g. a Redis restarted without persistence):
+        # create the group again rather than failing until this process restarts.
+        self._groups.discard((stream, group))
+        await self._ensure_group(stream, group)
+        return await self._read_group(stream, group, consumer, block=block, count=count)
+
+    async def _read_group(
+        self, stream: str, group: str, consumer: str, *, block: float, count: int
+    ) -> list[Entry]:
         key = (stream, group, consumer)
         replay_from = self._replay.get(key, "0")
         while replay_from is not None:
@@ -434,7 +452,7 @@ class RedisBus(EventBus):
             if not entries:
                 self._replay[key] = replay_from = None
                 break
-            self._replay[key] = entries[-1][0]
+            self._replay[key] = replay_from = entries[-1][0]
             batch = [e for e in entries if e[1]]
             gone = [e[0] for e in entries if not e[1]]
             if gone:
@@ -443,7 +461,6 @@ class RedisBus(EventBus):
                 await self._redis.xack(stream, group, *gone)
             if batch:
                 return batch
-            replay_from = self._replay[key]
         resp = await self._redis.xreadgroup(
             group, consumer, {stream: ">"}, count=count, block=self._block_ms(block)
         )
@@ -465,7 +482,7 @@ class RedisBus(EventBus):
 # --- over HTTP --------------------------------------------------------------------------
 
 
-class HttpPublisher:
+class HttpPublisher(Publisher):
     """Publishes through the server's internal bus endpoint (embedded mode, no Redis).
 
     One shared `httpx.AsyncClient` (keep-alive) for every event.

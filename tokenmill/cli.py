@@ -64,14 +64,14 @@ class Parts:
 
 def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
     import httpx
-    from litestar import Litestar, MediaType, Response, get
+    from litestar import Litestar
     from litestar.di import Provide
     from litestar.openapi import OpenAPIConfig
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from tokenmill.bus import make_bus
     from tokenmill.db import make_sessionmaker, provide_db_session
     from tokenmill.errors import exception_handlers
+    from tokenmill.ops import health, metrics
 
     sessionmaker = make_sessionmaker(engine)
     bus = make_bus(settings)
@@ -82,7 +82,6 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     consumer = f"{socket.gethostname()}-{os.getpid()}"
 
     http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0))
-    fleet = None
     if parts.gateway:
         from gateway.controllers import OpenAIController, provide_caller
         from gateway.fleet import FleetView
@@ -108,17 +107,6 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
 
         assert settings.internal_token
         handlers.append(internal_router(bus, settings.internal_token))
-
-    @get("/health", include_in_schema=False)
-    async def health() -> dict[str, Any]:
-        body: dict[str, Any] = {"status": "ok", "version": __version__}
-        if fleet is not None:
-            body["workers"] = sum(1 for w in fleet.workers.values() if not w.draining)
-        return body
-
-    @get("/metrics", include_in_schema=False, media_type=MediaType.TEXT)
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:

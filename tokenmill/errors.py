@@ -6,12 +6,16 @@ Every app of ours installs `exception_handlers()`, so no request ever ends in a 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 log = logging.getLogger("tokenmill.errors")
+
+# msgspec names the offending field as "- at `$.messages[0].role`" or "field `messages`".
+_FIELD = re.compile(r"(?:at `\$\.|field `)([\w.\[\]]+)`")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -60,14 +64,17 @@ def _api_error(_: Request, exc: APIError) -> Response:
 
 
 def _validation(_: Request, exc: ValidationException) -> Response:
-    param = None
     message = exc.detail or "Invalid request"
+    param = None
     extra = exc.extra if isinstance(exc.extra, list) else []
     if extra and isinstance(extra[0], dict):
-        param = extra[0].get("key") or None
         message = str(extra[0].get("message") or message)
-        if param:
-            message = f"Invalid value for '{param}': {message}"
+        param = extra[0].get("key") or None
+    if param in (None, "data"):  # the body as a whole: name the field msgspec complained of
+        found = _FIELD.search(message)
+        param = found.group(1) if found else None
+    if param:
+        message = f"Invalid value for '{param}': {message}"
     return Response(error_body(message, "invalid_request_error", None, param), status_code=400)
 
 

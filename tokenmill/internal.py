@@ -17,6 +17,7 @@ from litestar import Request, Response, Router, post
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
+from litestar.params import FromPath
 from litestar.types import Guard
 
 from tokenmill import protocol
@@ -74,7 +75,7 @@ def internal_router(bus: EventBus, token: str, *, streams: Iterable[str] = KNOWN
     allowed = frozenset(streams)
 
     @post("/bus/{stream:str}", status_code=202)
-    async def publish_event(stream: str, request: Request[Any, Any, Any]) -> dict[str, str]:
+    async def publish_event(stream: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, str]:
         if stream not in allowed:
             raise InternalAPIError(404, f"Unknown stream {stream!r}.", "unknown_stream")
         body = await request.body()

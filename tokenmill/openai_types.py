@@ -64,7 +64,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str] | list[int]
+    # msgspec allows one array type per union: a list of strings or of token ids, checked later.
+    prompt: str | list[str | int]
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     suffix: str | None = None

@@ -1,0 +1,157 @@
+"""A gateway app on a migrated SQLite database, and fake workers that speak the real protocol.
+
+Fake workers keep these tests fast and deterministic; the real worker is tested in
+tests/workers and end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import uvicorn
+from litestar import Litestar, Request, post
+from litestar.response import Stream
+
+import migrations
+from control_plane.services import bootstrap
+from tokenmill.cli import Parts, create_app
+from tokenmill.db import make_engine, make_sessionmaker
+from tokenmill.protocol import WORKERS, GenerateDelta, GenerateRequest, Heartbeat
+from tokenmill.settings import BUNDLED_MODEL, Settings
+
+INTERNAL = "internal-test-token"
+
+
+@dataclass
+class FakeWorker:
+    """Streams `word0 word1 ...` (max_tokens of them, at most 8); `fail` answers 500."""
+
+    worker_id: str
+    fail: bool = False
+    received: list[GenerateRequest] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> Litestar:
+        @post("/generate", status_code=200)
+        async def generate(request: Request) -> Stream:
+            assert request.headers.get("authorization") == f"Bearer {INTERNAL}"
+            req = msgspec.json.decode(await request.body(), type=GenerateRequest)
+            self.received.append(req)
+            if self.fail:
+                raise RuntimeError("fake worker failure")
+            n = min(req.sampling.max_tokens, 8)
+
+            async def lines() -> AsyncIterator[bytes]:
+                for i in range(n):
+                    await asyncio.sleep(0)
+                    d = GenerateDelta(
+                        text=f"word{i} ",
+                        token_ids=[100 + i],
+                        prompt_tokens=len(req.prompt_token_ids),
+                        completion_tokens=i + 1,
+                        finish_reason="length" if i == n - 1 else None,
+                    )
+                    yield msgspec.json.encode(d) + b"\n"
+
+            return Stream(lines(), media_type="application/x-ndjson")
+
+        return Litestar([generate])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Litestar) -> AsyncIterator[str]:
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave pytest's handlers alone
+    task = asyncio.create_task(server.serve())
+    for _ in range(1000):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if not server.started:
+        raise RuntimeError(f"test server did not start on port {port}")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@dataclass
+class Env:
+    client: httpx.AsyncClient
+    app: Litestar
+    admin_key: str
+    deployment_id: str
+    workers: list[FakeWorker]
+
+    async def add_worker(self, fail: bool = False) -> FakeWorker:
+        w = FakeWorker(f"fake-{len(self.workers)}", fail=fail)
+        w.url = await self._stack.enter_async_context(serve(w.app()))
+        self.workers.append(w)
+        await self.beat(w)
+        return w
+
+    async def beat(self, w: FakeWorker, **kw: object) -> None:
+        hb = Heartbeat(
+            worker_id=w.worker_id,
+            deployment_id=self.deployment_id,
+            address=w.url,
+            model="m",
+            ts=time.time(),
+            **kw,  # type: ignore[arg-type]
+        )
+        await self.app.state.bus.publish(WORKERS, hb)
+        fleet = self.app.state.gateway.fleet
+        for _ in range(200):
+            if w.worker_id in fleet.workers:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the fleet view never saw the heartbeat")
+
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+
+@pytest.fixture
+async def gateway_env(tmp_path: Path, model_cache: Path) -> AsyncIterator[Env]:
+    settings = Settings(
+        home=tmp_path,
+        database_url=f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}",
+        internal_token=INTERNAL,
+        secret_key="test-secret",
+        model_cache=model_cache,
+        worker_wait_seconds=1.0,
+        worker_timeout_seconds=30.0,
+    )
+    await asyncio.to_thread(migrations.upgrade, settings.db_url)
+    engine = make_engine(settings.db_url)
+    boot = await bootstrap(
+        make_sessionmaker(engine),
+        secret_key="test-secret",
+        model_name="SmolLM2-135M-Instruct",
+        model_source=BUNDLED_MODEL,
+        model_format="gguf",
+        context_length=8192,
+    )
+    assert boot.admin_secret
+    app = create_app(settings, engine, Parts(gateway=True, admin=True, consumers=True, internal_bus=True))
+    # A real server on the test's own loop: the fake workers live on it too.
+    async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        env = Env(client, app, boot.admin_secret, boot.deployment.id, [])
+        async with env._stack:
+            yield env

@@ -1,0 +1,207 @@
+"""The OpenAI surface of the gateway, driven by the official SDK against fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from sqlalchemy import select
+
+from billing.models import UsageEvent
+from tests.gateway.conftest import Env
+from tokenmill.tokenization import Tokenizer
+
+MODEL = "SmolLM2-135M-Instruct"
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def sdk(env: Env, key: str | None = None) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{env.client.base_url}/v1",
+        api_key=key or env.admin_key,
+        http_client=env.client,
+        max_retries=0,
+    )
+
+
+async def ledger(env: Env, n: int) -> list[UsageEvent]:
+    for _ in range(200):
+        async with env.app.state.sessionmaker() as s:
+            rows = list((await s.execute(select(UsageEvent).order_by(UsageEvent.id))).scalars())
+        if len(rows) >= n:
+            return rows
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"ledger has {len(rows)} rows, wanted {n}")
+
+
+async def test_models_lists_the_served_model(gateway_env: Env) -> None:
+    models = await sdk(gateway_env).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_chat_sends_template_tokens_and_meters(gateway_env: Env) -> None:
+    w = await gateway_env.add_worker()
+    raw = await sdk(gateway_env).chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, max_tokens=3, temperature=0
+    )
+    reply = raw.parse()
+    assert raw.headers["x-request-id"].startswith("req_")
+    assert reply.choices[0].message.content == "word0 word1 word2 "
+    assert reply.choices[0].finish_reason == "length"
+    # the gateway rendered the chat template and tokenized once; the worker got token ids
+    tok: Tokenizer = await gateway_env.app.state.gateway.tokenizer(
+        await gateway_env.app.state.gateway.resolve(
+            await gateway_env.app.state.gateway.authenticate(f"Bearer {gateway_env.admin_key}"), MODEL
+        )
+    )
+    sent = w.received[0]
+    assert sent.prompt_token_ids == tok.encode(tok.apply_chat_template(HELLO, add_generation_prompt=True))
+    assert sent.sampling.max_tokens == 3 and sent.sampling.temperature == 0
+    assert sent.cache_salt  # the organisation's salt goes with every request
+    assert reply.usage.prompt_tokens == len(sent.prompt_token_ids)
+    assert reply.usage.completion_tokens == 3
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    (row,) = await ledger(gateway_env, 1)
+    assert row.request_id == raw.headers["x-request-id"]
+    assert (row.prompt_tokens, row.completion_tokens, row.status) == (reply.usage.prompt_tokens, 3, "ok")
+
+
+async def test_streaming_chat(gateway_env: Env) -> None:
+    await gateway_env.add_worker()
+    stream = await sdk(gateway_env).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "word0 word1 word2 word3 "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
+async def test_sse_wire_format_ends_with_done(gateway_env: Env) -> None:
+    await gateway_env.add_worker()
+    r = await gateway_env.client.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 2, "stream": True},
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+async def test_text_completion(gateway_env: Env) -> None:
+    w = await gateway_env.add_worker()
+    c = await sdk(gateway_env).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
+    assert c.choices[0].text == "word0 word1 " and c.usage.completion_tokens == 2
+    assert w.received[0].prompt_token_ids  # tokenized by the gateway
+
+
+@pytest.mark.parametrize("key", ["", "sk-not-ours", "tm-" + "x" * 48])
+async def test_bad_keys_get_openai_401(gateway_env: Env, key: str) -> None:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    r = await gateway_env.client.post("/v1/chat/completions", headers=headers, json={"model": MODEL})
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error" and err["message"]
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(gateway_env, key="tm-" + "y" * 48).models.list()
+
+
+async def test_unknown_model_is_404(gateway_env: Env) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await sdk(gateway_env).chat.completions.create(model="gpt-17", messages=HELLO)
+    assert err.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": HELLO, "temperature": 5}, "temperature"),
+        ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": HELLO, "n": 3}, "n"),
+        ({}, "messages"),
+    ],
+)
+async def test_invalid_requests_name_the_param(gateway_env: Env, body: dict, param: str) -> None:
+    r = await gateway_env.client.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+        json={"model": MODEL, **body},
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] is not None and err["param"].startswith(param), err
+
+
+async def test_malformed_json_is_400(gateway_env: Env) -> None:
+    r = await gateway_env.client.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway_env.admin_key}", "content-type": "application/json"},
+        content=b"{not json",
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_context_length_exceeded(gateway_env: Env) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9000)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
+async def test_no_worker_is_a_clean_503(gateway_env: Env) -> None:
+    with pytest.raises(openai.InternalServerError) as err:
+        await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO)
+    assert err.value.status_code == 503 and err.value.body["code"] == "no_worker_available"
+
+
+async def test_failed_worker_is_retried_elsewhere(gateway_env: Env) -> None:
+    bad = await gateway_env.add_worker(fail=True)
+    good = await gateway_env.add_worker()
+    # make the failing worker look idle so it is picked first
+    await gateway_env.beat(good, running=5)
+    reply = await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert reply.choices[0].message.content == "word0 word1 "
+    assert len(bad.received) == 1 and len(good.received) == 1
+    rows = await ledger(gateway_env, 1)
+    assert len(rows) == 1 and rows[0].status == "ok"
+
+
+async def test_admin_keys_lifecycle_and_tenant_isolation(gateway_env: Env) -> None:
+    c, admin = gateway_env.client, {"authorization": f"Bearer {gateway_env.admin_key}"}
+    org = (await c.post("/admin/v1/organizations", headers=admin, json={"name": "acme"})).json()
+    created = await c.post(
+        f"/admin/v1/organizations/{org['id']}/keys", headers=admin, json={"role": "org_admin"}
+    )
+    assert created.status_code == 201
+    secret = created.json()["secret"]
+    acme = {"authorization": f"Bearer {secret}"}
+    listed = (await c.get(f"/admin/v1/organizations/{org['id']}/keys", headers=acme)).json()
+    assert [k["prefix"] for k in listed] == [secret[:11]] and "secret" not in listed[0]
+    # acme's admin cannot see the default organisation's keys, nor create organisations
+    default_org = (await c.get("/admin/v1/organizations", headers=admin)).json()[0]["id"]
+    assert (await c.get(f"/admin/v1/organizations/{default_org}/keys", headers=acme)).status_code == 404
+    assert (await c.post("/admin/v1/organizations", headers=acme, json={"name": "x"})).status_code == 403
+    assert [o["name"] for o in (await c.get("/admin/v1/organizations", headers=acme)).json()] == ["acme"]
+    # the new key works on the API until revoked
+    assert (await c.get("/v1/models", headers=acme)).status_code == 200
+    assert (await c.delete(f"/admin/v1/keys/{created.json()['id']}", headers=admin)).status_code == 200
+    r = await c.get("/v1/models", headers=acme)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_admin_api_refuses_bad_input(gateway_env: Env) -> None:
+    c, admin = gateway_env.client, {"authorization": f"Bearer {gateway_env.admin_key}"}
+    assert (await c.post("/admin/v1/organizations", headers=admin, json={"name": ""})).status_code == 400
+    await c.post("/admin/v1/organizations", headers=admin, json={"name": "dup"})
+    dup = await c.post("/admin/v1/organizations", headers=admin, json={"name": "dup"})
+    assert dup.status_code == 409 and dup.json()["error"]["param"] == "name"
+    assert (await c.get("/admin/v1/organizations")).status_code == 401
+    r = await c.post("/admin/v1/organizations/org_nope/keys", headers=admin, json={})
+    assert r.status_code == 404 and "error" in r.json()
