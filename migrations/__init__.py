@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from alembic import command
@@ -27,5 +28,19 @@ def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(config(url), revision)
 
 
-def current(url: str) -> None:
-    command.current(config(url), verbose=True)
+def current(url: str) -> str | None:
+    """Blocking: the revision the database is at (None for an empty database)."""
+    return asyncio.run(_current(url))
+
+
+async def _current(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    from tokenmill.db import make_engine
+
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
+    finally:
+        await engine.dispose()

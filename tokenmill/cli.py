@@ -40,6 +40,8 @@ def _settings(**overrides: Any) -> Settings:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Alembic narrates every step at INFO; the commands say what matters themselves.
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
     return settings
 
 
@@ -342,10 +344,11 @@ def migrate(action: str, revision: str | None) -> None:
         elif action == "downgrade":
             migrations.downgrade(settings.db_url, revision or "-1")
         else:
-            migrations.current(settings.db_url)
+            click.echo(f"database at revision {migrations.current(settings.db_url) or 'none (empty)'}")
+            return
     except Exception as exc:  # alembic and drivers raise many kinds; the message is what matters
         _fail(f"migration failed: {exc}")
-    click.echo(f"database {action} done")
+    click.echo(f"database at revision {migrations.current(settings.db_url) or 'none (empty)'}")
 
 
 # --- admin ------------------------------------------------------------------------------
@@ -356,20 +359,24 @@ def admin() -> None:
     """Manage organisations and API keys directly in the database."""
 
 
-def _admin_run(fn: Callable[[Any], Any]) -> Any:
-    """Run fn(session) in a transaction against the configured database, with clear errors."""
+def _admin_run(fn: Callable[[Any, Settings], Any]) -> Any:
+    """Run fn(session, settings) in one transaction on the configured database (migrated
+    first, so this works before the first `serve`); APIErrors become clean exits."""
     from tokenmill.db import make_engine, make_sessionmaker
     from tokenmill.errors import APIError
 
     settings = _settings()
-    settings.ensure_secrets() if not settings.database_url else None
+    if not settings.database_url:
+        settings.ensure_secrets()
+    if not settings.secret_key:
+        _fail("set TOKENMILL_SECRET_KEY (the key API keys are hashed with)", 2)
 
     async def run() -> Any:
         await _migrate(settings)
         engine = make_engine(settings.db_url)
         try:
             async with make_sessionmaker(engine)() as session, session.begin():
-                return await fn(session)
+                return await fn(session, settings)
         finally:
             await engine.dispose()
 
@@ -385,7 +392,7 @@ def create_org(name: str) -> None:
     """Create an organisation."""
     from control_plane.services import OrganizationService
 
-    org = _admin_run(lambda s: OrganizationService(session=s).create_org(name))
+    org = _admin_run(lambda s, _: OrganizationService(session=s).create_org(name))
     click.echo(f"{org.id}\t{org.name}")
 
 
@@ -398,12 +405,14 @@ def create_key(org_ref: str, name: str, role: str, scopes: tuple[str, ...]) -> N
     """Create an API key; the secret is printed once."""
     from control_plane.services import ApiKeyService, OrganizationService
 
-    secret_key = _secret_key()
-
-    async def go(session: Any) -> Any:
+    async def go(session: Any, settings: Settings) -> Any:
         org = await OrganizationService(session=session).by_ref(org_ref)
         return await ApiKeyService(session=session).create_key(
-            org_id=org.id, secret_key=secret_key, name=name, role=role, scopes=list(scopes) or None
+            org_id=org.id,
+            secret_key=settings.secret_key or "",
+            name=name,
+            role=role,
+            scopes=list(scopes) or None,
         )
 
     created = _admin_run(go)
@@ -417,7 +426,7 @@ def list_keys(org_ref: str) -> None:
     """List an organisation's API keys (never their secrets)."""
     from control_plane.services import ApiKeyService, OrganizationService
 
-    async def go(session: Any) -> Any:
+    async def go(session: Any, _: Settings) -> Any:
         org = await OrganizationService(session=session).by_ref(org_ref)
         return await ApiKeyService(session=session).list_for_org(org.id)
 
@@ -432,17 +441,8 @@ def revoke_key(key: str) -> None:
     """Revoke an API key by id or prefix."""
     from control_plane.services import ApiKeyService
 
-    revoked = _admin_run(lambda s: ApiKeyService(session=s).revoke(key))
+    revoked = _admin_run(lambda s, _: ApiKeyService(session=s).revoke(key))
     click.echo(f"revoked {revoked.id} ({revoked.prefix}...)")
-
-
-def _secret_key() -> str:
-    settings = Settings()
-    if not settings.secret_key and not settings.database_url:
-        settings.ensure_secrets()
-    if not settings.secret_key:
-        _fail("set TOKENMILL_SECRET_KEY (the key API keys are hashed with)", 2)
-    return settings.secret_key or ""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,230 @@
+"""`tokenmill serve` as a user runs it: a subprocess, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    home: Path
+    env: dict[str, str]
+    key: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=120)
+
+    def children(self) -> list[int]:
+        """Pids whose parent is the server."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == self.proc.pid:
+                pids.append(int(stat.parent.name))
+        return pids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_server(tmp: Path, model_cache: Path) -> Server:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "TOKENMILL_HOME": str(tmp / "home"),
+        "TOKENMILL_MODEL_CACHE": str(model_cache),
+        "TOKENMILL_PORT": str(port),
+        "TOKENMILL_TORCH_THREADS": "2",
+    }
+    for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
+        env.pop(var, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = Server(proc, f"http://127.0.0.1:{port}", tmp / "home", env)
+
+    def pump() -> None:
+        assert proc.stdout
+        for line in proc.stdout:
+            server.lines.append(line.rstrip("\n"))
+            sys.stderr.write(f"[serve] {line}")
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited with {proc.returncode}:\n" + "\n".join(server.lines))
+        server.key = next((ln for ln in server.lines if ln.startswith("tm-")), "")
+        try:
+            health = httpx.get(f"{server.url}/health", timeout=2).json()
+            if server.key and health.get("workers", 0) >= 1:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("serve did not become ready:\n" + "\n".join(server.lines))
+
+
+def stop(server: Server, sig: int = signal.SIGTERM) -> list[int]:
+    children = server.children()
+    server.proc.send_signal(sig)
+    server.proc.wait(timeout=60)
+    return children
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("serve"), model_cache)
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait()
+
+
+def test_first_start_prints_a_working_admin_key_once(server: Server) -> None:
+    assert server.key.startswith("tm-") and len(server.key) == 51
+    assert sum(server.key in ln for ln in server.lines) == 1
+    # only a hash is stored
+    db = (server.home / "tokenmill.db").read_bytes()
+    assert server.key.encode() not in db and server.key[11:].encode() not in db
+
+
+def test_list_models(server: Server) -> None:
+    assert MODEL in [m.id for m in server.client().models.list()]
+
+
+def test_chat_answers_paris(server: Server) -> None:
+    reply = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=30,
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens > 10 and reply.usage.completion_tokens > 0
+
+
+def test_chat_streams_sse_until_done(server: Server) -> None:
+    chunks = list(
+        server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=30,
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and "Paris" in text
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {server.key}"},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "stream": True,
+        },
+        timeout=120,
+    ) as r:
+        events = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_missing_or_wrong_key_is_401(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError) as err:
+        server.client(key="tm-" + "x" * 48).models.list()
+    assert err.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 401
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_admin_cli_key_works_against_the_running_server(server: Server) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "admin", "create-key", "--org", "default", "--name", "e2e"],
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("tm-") and key != server.key
+    assert MODEL in [m.id for m in server.client(key).models.list()]
+    prefix = key[:11]
+    listed = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "admin", "list-keys", "--org", "default"],
+        env=server.env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert prefix in listed and key not in listed
+    subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "admin", "revoke-key", prefix],
+        env=server.env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key).models.list()
+
+
+def test_sigterm_stops_everything(server: Server) -> None:
+    """Runs last in this module: stops the shared server and checks for orphans."""
+    children = stop(server)
+    assert children, "serve had no worker subprocess"
+    assert server.proc.returncode == 0
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)], "worker outlived serve"
+
+
+def test_killed_server_leaves_no_orphan(tmp_path: Path, model_cache: Path) -> None:
+    server = start_server(tmp_path, model_cache)
+    children = stop(server, signal.SIGKILL)
+    assert children
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)], "worker outlived a killed serve"
