@@ -1,0 +1,1 @@
+"""The worker process around one engine: HTTP server, registration and heartbeats."""

@@ -1,0 +1,1 @@
+"""The inference engine; built by the engine issue."""

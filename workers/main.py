@@ -1,0 +1,323 @@
+"""The worker process: load a model, serve it, and keep the fleet informed.
+
+`tokenmill worker` calls `run_worker`. The worker announces itself on the bus, sends a
+heartbeat every `heartbeat_seconds`, drains on SIGTERM/SIGINT (no new connections,
+in-flight streams finish) and says goodbye. It never talks to the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+
+import msgspec
+import uvicorn
+
+from tokenmill.bus import BusConfigError, Publisher, make_publisher
+from tokenmill.modelstore import model_name, resolve_model
+from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture
+from tokenmill.settings import Settings
+from workers.server import Generator, WorkerInfo, create_app
+
+log = logging.getLogger(__name__)
+
+# Long enough for a long CPU generation to finish; the platform (Kubernetes grace period,
+# `tokenmill serve`) decides how long it really waits before killing us.
+GRACEFUL_SHUTDOWN_SECONDS = 600.0
+PARENT_POLL_SECONDS = 0.5
+
+
+class _Stop(Exception):
+    """Raised by the early signal handler to abandon model loading."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: it re-raises the captured signal on exit,
+    which would turn a clean drain into death by SIGTERM. `_serve` installs its own."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.ready.set()
+
+
+@dataclass(slots=True)
+class _Identity:
+    worker_id: str
+    deployment_id: str | None
+    address: str
+    model: str
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket ourselves so that port 0 yields a known, free port."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    model: str,
+    deployment_id: str | None,
+    host: str,
+    port: int,
+    worker_id: str | None = None,
+    exit_with_parent: bool = False,
+) -> int:
+    """Run a worker until SIGTERM/SIGINT (or the parent's death); return the exit code."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    # httpx logs every request at INFO: one line per heartbeat otherwise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    parent_pid = os.getppid()  # before the slow load, so a parent dying meanwhile is noticed
+    worker_id = worker_id or f"worker-{secrets.token_hex(4)}"
+    if not settings.internal_token:
+        # Embedded mode run by hand: share the server's generated secret from HOME.
+        log.warning("TOKENMILL_INTERNAL_TOKEN unset; using the one stored under %s", settings.home_dir)
+        settings.ensure_secrets()
+    token = settings.internal_token
+    if not token:
+        raise RuntimeError("no internal token")
+    # Configuration errors first, in milliseconds, rather than after loading the model.
+    try:
+        publisher = make_publisher(settings)
+    except BusConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc.strerror)
+        return 1
+
+    # Until the event loop takes over, a termination signal just abandons the load.
+    def stop_loading(signum: int, frame: FrameType | None) -> None:
+        raise _Stop
+
+    previous = {sig: signal.signal(sig, stop_loading) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        name = model_name(model)
+        model_dir = resolve_model(model, settings.cache_dir)
+        import torch
+
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        from transformers.utils import logging as hf_logging
+
+        from workers.hf import HFGenerator
+
+        # Progress bars redraw with \r: noise in a service log, and they can glue onto the
+        # next line, the ready line included.
+        hf_logging.disable_progress_bar()
+
+        started = time.perf_counter()
+        generator = HFGenerator(model_dir)
+        log.info("loaded %s from %s in %.1fs", name, model_dir, time.perf_counter() - started)
+    except _Stop:
+        log.info("stopped while loading")
+        sock.close()
+        return 0
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    bound_port = sock.getsockname()[1]
+    identity = _Identity(worker_id, deployment_id, _address(host, bound_port), name)
+    app = create_app(
+        generator,
+        token=token,
+        info=WorkerInfo(worker_id=worker_id, model=name, deployment_id=deployment_id),
+    )
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # keep the process's logging setup
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    try:
+        return asyncio.run(
+            _serve(
+                _Server(config),
+                sock,
+                publisher,
+                settings,
+                identity,
+                generator,
+                parent_pid if exit_with_parent else None,
+            )
+        )
+    finally:
+        generator.close()
+        sock.close()
+
+
+async def _serve(
+    server: _Server,
+    sock: socket.socket,
+    publisher: Publisher,
+    settings: Settings,
+    identity: _Identity,
+    generator: Generator,
+    parent_pid: int | None,
+) -> int:
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if draining.is_set() and signum == signal.SIGINT:
+            server.force_exit = True  # second Ctrl+C: stop waiting for in-flight requests
+        log.info("received %s: draining", signal.Signals(signum).name)
+        draining.set()
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    ready = asyncio.create_task(server.ready.wait())
+    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+    if not server.ready.is_set():
+        ready.cancel()
+        serving.result()  # startup failed: raise its exception
+        log.error("server did not start")
+        return 1
+    print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
+    sys.stderr.flush()
+
+    tasks = [asyncio.create_task(_beat(publisher, settings, identity, generator, draining))]
+    if parent_pid is not None:
+        tasks.append(asyncio.create_task(_watch_parent(parent_pid, server, draining)))
+    try:
+        await serving
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        departure = WorkerDeparture(identity.worker_id, identity.deployment_id, ts=time.time())
+        for attempt in range(3):
+            if await _publish(publisher, departure, settings, first_failure=attempt == 0):
+                break
+            await asyncio.sleep(0.5)
+        await _close(publisher)
+    return 0
+
+
+async def _publish(
+    publisher: Publisher, event: msgspec.Struct, settings: Settings, *, first_failure: bool
+) -> bool:
+    """Publish on WORKERS; failures (bus not up yet, network) are logged, never raised."""
+    try:
+        await asyncio.wait_for(
+            publisher.publish(WORKERS, event), timeout=max(settings.heartbeat_seconds, 2.0)
+        )
+        return True
+    except Exception as exc:
+        # Warn once per outage; the next beat retries anyway.
+        log.log(
+            logging.WARNING if first_failure else logging.DEBUG,
+            "publishing %s failed: %s",
+            type(event).__name__,
+            exc or type(exc).__name__,
+        )
+        return False
+
+
+async def _beat(
+    publisher: Publisher,
+    settings: Settings,
+    identity: _Identity,
+    generator: Generator,
+    draining: asyncio.Event,
+) -> None:
+    announced = False
+    healthy = True
+    while True:
+        was_draining = draining.is_set()
+        event: msgspec.Struct
+        if not announced:
+            event = WorkerAnnounce(
+                worker_id=identity.worker_id,
+                deployment_id=identity.deployment_id,
+                address=identity.address,
+                model=identity.model,
+                capacity=1,
+                ts=time.time(),
+            )
+        else:
+            event = Heartbeat(
+                worker_id=identity.worker_id,
+                deployment_id=identity.deployment_id,
+                address=identity.address,
+                model=identity.model,
+                running=generator.running,
+                waiting=generator.waiting,
+                kv_usage=0.0,
+                adapters=[],
+                draining=was_draining,
+                ts=time.time(),
+            )
+        ok = await _publish(publisher, event, settings, first_failure=healthy)
+        if ok and not healthy:
+            log.info("bus reachable again")
+        healthy = ok
+        announced = announced or ok
+        if announced and not was_draining:
+            # Beat early when draining starts, so that gateways stop routing here at once.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(draining.wait(), timeout=settings.heartbeat_seconds)
+        else:
+            await asyncio.sleep(settings.heartbeat_seconds)
+
+
+async def _watch_parent(parent_pid: int, server: _Server, draining: asyncio.Event) -> None:
+    # Polling: there is no portable event for "my parent died" (PR_SET_PDEATHSIG is
+    # Linux-only and fires on the parent *thread*'s exit).
+    while os.getppid() == parent_pid:  # noqa: ASYNC110
+        await asyncio.sleep(PARENT_POLL_SECONDS)
+    log.warning("parent process %d is gone: shutting down", parent_pid)
+    draining.set()
+    server.should_exit = True
+
+
+async def _close(publisher: Publisher) -> None:
+    try:
+        await publisher.close()
+    except Exception:
+        log.debug("closing the publisher failed", exc_info=True)

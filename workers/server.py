@@ -1,0 +1,200 @@
+"""The worker's internal HTTP API: /generate (NDJSON stream), /health, /metrics.
+
+Every endpoint requires the internal token, so nothing inside the network can reach a
+model while bypassing the gateway's keys, limits and metering.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.response import Stream
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from tokenmill.protocol import GenerateDelta, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+
+# vLLM's bucket boundaries, so existing Grafana dashboards read these histograms unchanged.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class Generator(Protocol):
+    """What the server needs from a generator (HFGenerator now, the engine later)."""
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def validate(self, req: GenerateRequest) -> None: ...
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    model: str
+    deployment_id: str | None = None
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    type_: str = "invalid_request_error",
+) -> Response[dict[str, Any]]:
+    """An OpenAI-style error body."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return Response(body, status_code=status, media_type=MediaType.JSON)
+
+
+@dataclass(slots=True)
+class _Metrics:
+    registry: CollectorRegistry
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    e2e: Histogram
+    success: Counter
+
+    @classmethod
+    def create(cls, generator: Generator, model: str) -> _Metrics:
+        # A registry per app: several apps (tests, or future multi-model workers) in one
+        # process must not collide in prometheus_client's global registry.
+        registry = CollectorRegistry()
+        labels = ["model_name"]
+        running = Gauge("vllm:num_requests_running", "Requests being generated.", labels, registry=registry)
+        running.labels(model).set_function(lambda: generator.running)
+        waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to start.", labels, registry=registry)
+        waiting.labels(model).set_function(lambda: generator.waiting)
+        return cls(
+            registry=registry,
+            prompt_tokens=Counter(
+                "vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=registry
+            ).labels(model),
+            generation_tokens=Counter(
+                "vllm:generation_tokens", "Generation tokens produced.", labels, registry=registry
+            ).labels(model),
+            ttft=Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Time to first token.",
+                labels,
+                buckets=_TTFT_BUCKETS,
+                registry=registry,
+            ).labels(model),
+            e2e=Histogram(
+                "vllm:e2e_request_latency_seconds",
+                "End-to-end request latency.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=registry,
+            ).labels(model),
+            success=Counter(
+                "vllm:request_success",
+                "Finished requests by finish reason.",
+                [*labels, "finished_reason"],
+                registry=registry,
+            ),
+        )
+
+
+def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litestar:
+    if not token:
+        raise ValueError("the worker needs an internal token")
+    expected = token.encode()
+    metrics = _Metrics.create(generator, info.model)
+    encoder = msgspec.json.Encoder()
+    decoder = msgspec.json.Decoder(GenerateRequest)
+
+    async def check_token(request: Request[Any, Any, Any]) -> Response[dict[str, Any]] | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, supplied = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), expected):
+            return error_response(401, "invalid or missing internal token", code="invalid_internal_token")
+        return None
+
+    async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
+        start = time.perf_counter()
+        first = True
+        metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        try:
+            # aclosing: when the client disconnects this generator is cancelled or closed,
+            # and the inner one must be closed too so that generation stops now.
+            async with aclosing(generator.generate(req)) as deltas:
+                async for delta in deltas:
+                    if first and delta.token_ids:
+                        metrics.ttft.observe(time.perf_counter() - start)
+                        first = False
+                    metrics.generation_tokens.inc(len(delta.token_ids))
+                    if delta.finish_reason is not None:
+                        metrics.success.labels(info.model, delta.finish_reason).inc()
+                        metrics.e2e.observe(time.perf_counter() - start)
+                    yield encoder.encode(delta) + b"\n"
+        except Exception as exc:  # the status line is long gone: report in-band
+            log.exception("stream failed for %s", req.request_id)
+            yield encoder.encode(GenerateDelta(finish_reason="error", error=str(exc))) + b"\n"
+
+    @post("/generate", status_code=200)
+    async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
+        # The body is decoded here rather than by Litestar so that bad input gets the
+        # OpenAI-style error shape.
+        try:
+            req = decoder.decode(await request.body())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error_response(400, f"invalid generate request: {exc}")
+        try:
+            generator.validate(req)
+        except ValueError as exc:
+            return error_response(400, str(exc), param=getattr(exc, "param", None))
+        return Stream(stream(req), media_type=NDJSON)
+
+    @get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": info.model,
+            "worker_id": info.worker_id,
+            "deployment_id": info.deployment_id,
+            "running": generator.running,
+            "waiting": generator.waiting,
+        }
+
+    @get("/metrics")
+    async def prometheus() -> Response[bytes]:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Litestar(
+        route_handlers=[generate, health, prometheus],
+        before_request=check_token,
+        openapi_config=None,
+        logging_config=None,  # the process (CLI, run_worker) owns the logging setup
+    )
