@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -13,9 +11,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.models import UsageEvent
-from tokenmill.bus import EventBus
+from tokenmill.bus import Entry, EventBus
 from tokenmill.db import utcnow
 from tokenmill.protocol import USAGE, UsageRecord
+from tokenmill.tasks import GroupConsumer
 
 log = logging.getLogger("tokenmill.billing")
 
@@ -53,47 +52,26 @@ async def record_usage(session: AsyncSession, records: list[UsageRecord]) -> int
     return result.rowcount or 0
 
 
-class UsageConsumer:
-    """Tails the usage stream through a consumer group; acks only after the commit, so a crash
-    between the two re-delivers and the unique request id absorbs the duplicate."""
+class UsageConsumer(GroupConsumer):
+    """Usage events into the ledger. Acks follow the commit, so a crash between the two
+    re-delivers and the unique request id absorbs the duplicate."""
 
-    GROUP = "billing-ledger"
+    name = "usage-consumer"
+    stream = USAGE
+    group = "billing-ledger"
+    count = 500
 
     def __init__(self, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], consumer: str) -> None:
-        self.bus = bus
+        super().__init__(bus, consumer)
         self.sessionmaker = sessionmaker
-        self.consumer = consumer
-        self._task: asyncio.Task[None] | None = None
+        self._decoder = msgspec.json.Decoder(UsageRecord)
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="usage-consumer")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        decoder = msgspec.json.Decoder(UsageRecord)
-        while True:
+    async def handle(self, entries: list[Entry]) -> None:
+        records = []
+        for _, raw in entries:
             try:
-                entries = await self.bus.read_group(USAGE, self.GROUP, self.consumer, block=1.0, count=500)
-                if not entries:
-                    continue
-                records = []
-                for _, raw in entries:
-                    try:
-                        records.append(decoder.decode(raw))
-                    except msgspec.ValidationError:
-                        log.error("dropping malformed usage event: %r", raw[:200])
-                async with self.sessionmaker() as session, session.begin():
-                    await record_usage(session, records)
-                await self.bus.ack(USAGE, self.GROUP, *[i for i, _ in entries])
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("usage consumer failed; retrying")
-                await asyncio.sleep(1.0)
-                # Hand the un-acked batch back so the next read retries it.
-                await self.bus.replay_pending(USAGE, self.GROUP, self.consumer)
+                records.append(self._decoder.decode(raw))
+            except msgspec.ValidationError:
+                log.error("dropping malformed usage event: %r", raw[:200])
+        async with self.sessionmaker() as session, session.begin():
+            await record_usage(session, records)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
@@ -43,21 +44,11 @@ def _check_org(admin: NamedDependency[ApiKey], org_id: str) -> None:
 
 
 def _org_out(o: Organization) -> OrganizationOut:
-    return OrganizationOut(id=o.id, name=o.name, status=o.status, created_at=o.created_at)
+    return msgspec.convert(o, OrganizationOut, from_attributes=True)
 
 
 def _key_out(k: ApiKey) -> ApiKeyOut:
-    return ApiKeyOut(
-        id=k.id,
-        org_id=k.org_id,
-        prefix=k.prefix,
-        name=k.name,
-        role=k.role,
-        scopes=k.scopes,
-        created_at=k.created_at,
-        expires_at=k.expires_at,
-        revoked_at=k.revoked_at,
-    )
+    return msgspec.convert(k, ApiKeyOut, from_attributes=True)
 
 
 async def provide_orgs(db_session: NamedDependency[AsyncSession]) -> OrganizationService:
@@ -128,8 +119,9 @@ class AdminController(Controller):
             scopes=data.scopes,
             expires_at=data.expires_at,
         )
-        out = _key_out(created.key)
-        return ApiKeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, secret=created.secret)
+        return msgspec.structs.replace(
+            msgspec.convert(created.key, ApiKeyCreated, from_attributes=True), secret=created.secret
+        )
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(

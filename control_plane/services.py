@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,10 +14,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from control_plane.models import ROLES, ApiKey, Deployment, Model, Organization, Worker
 from tokenmill import security
-from tokenmill.bus import EventBus
+from tokenmill.bus import Entry, EventBus
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
 from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture, WorkerEvent
+from tokenmill.tasks import GroupConsumer
 
 log = logging.getLogger("tokenmill.control_plane")
 
@@ -213,46 +212,24 @@ async def bootstrap(
     return Bootstrap(org=org, admin_secret=secret, deployment=dep, model=model)
 
 
-class WorkerLifetimes:
+class WorkerLifetimes(GroupConsumer):
     """Records each worker's start and stop (what dedicated deployments are billed on).
 
-    Consumes the workers stream through a consumer group, so a restart resumes where it
-    stopped; last-seen times are written at most every few seconds per worker.
+    Last-seen times are written at most every few seconds per worker.
     """
 
-    GROUP = "control-plane-workers"
+    name = "worker-lifetimes"
+    stream = WORKERS
+    group = "control-plane-workers"
 
     def __init__(self, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], consumer: str) -> None:
-        self.bus = bus
+        super().__init__(bus, consumer)
         self.sessionmaker = sessionmaker
-        self.consumer = consumer
-        self._task: asyncio.Task[None] | None = None
         self._seen: dict[str, float] = {}
+        self._decoder = msgspec.json.Decoder(WorkerEvent)
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="worker-lifetimes")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        decoder = msgspec.json.Decoder(WorkerEvent)
-        while True:
-            try:
-                entries = await self.bus.read_group(WORKERS, self.GROUP, self.consumer, block=1.0, count=200)
-                if entries:
-                    await self.apply([decoder.decode(raw) for _, raw in entries])
-                    await self.bus.ack(WORKERS, self.GROUP, *[i for i, _ in entries])
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("worker lifetime consumer failed; retrying")
-                await asyncio.sleep(1.0)
-                # Hand the un-acked batch back so the next read retries it.
-                await self.bus.replay_pending(WORKERS, self.GROUP, self.consumer)
+    async def handle(self, entries: list[Entry]) -> None:
+        await self.apply([self._decoder.decode(raw) for _, raw in entries])
 
     async def apply(self, events: list[WorkerEvent]) -> None:
         async with self.sessionmaker() as session, session.begin():

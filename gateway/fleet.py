@@ -17,6 +17,7 @@ import msgspec
 
 from tokenmill.bus import EventBus
 from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture, WorkerEvent
+from tokenmill.tasks import Background
 
 log = logging.getLogger("tokenmill.gateway.fleet")
 
@@ -40,24 +41,17 @@ class WorkerState:
         return max(self.running + self.waiting, self.inflight)
 
 
-class FleetView:
+class FleetView(Background):
+    name = "fleet-view"
+
     def __init__(self, bus: EventBus, *, timeout: float) -> None:
+        super().__init__()
         self.bus = bus
         self.timeout = timeout
         self.workers: dict[str, WorkerState] = {}
         self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="fleet-view")
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
+    async def run(self) -> None:
         decoder = msgspec.json.Decoder(WorkerEvent)
         after = await self.bus.last_id(WORKERS)
         while True:

@@ -1,0 +1,71 @@
+"""Long-running loops owned by a server process, and the one way to consume a bus stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from tokenmill.bus import Entry, EventBus
+
+log = logging.getLogger("tokenmill.tasks")
+
+
+class Background:
+    """`start()` on app startup, `stop()` on shutdown; subclasses write `run()`."""
+
+    name = "background"
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=self.name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+
+class GroupConsumer(Background):
+    """Consumes a stream through a consumer group: at least once, acked after `handle`.
+
+    A batch whose `handle` raises is handed back to the group and retried after a pause,
+    so handlers must be idempotent (the ledger's unique request id, the workers table's
+    upserts). A restart with the same consumer name resumes with its pending entries.
+    """
+
+    stream = ""
+    group = ""
+    count = 200
+
+    def __init__(self, bus: EventBus, consumer: str) -> None:
+        super().__init__()
+        self.bus = bus
+        self.consumer = consumer
+
+    async def handle(self, entries: list[Entry]) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        while True:
+            try:
+                entries = await self.bus.read_group(
+                    self.stream, self.group, self.consumer, block=1.0, count=self.count
+                )
+                if entries:
+                    await self.handle(entries)
+                    await self.bus.ack(self.stream, self.group, *[i for i, _ in entries])
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: consuming %s failed; retrying", self.name, self.stream)
+                await asyncio.sleep(1.0)
+                with contextlib.suppress(Exception):
+                    await self.bus.replay_pending(self.stream, self.group, self.consumer)
