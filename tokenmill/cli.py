@@ -136,15 +136,13 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    from tokenmill.net import bind
+
     try:
-        sock.bind((host, port))
+        return bind(host, port)
     except OSError as exc:
         _fail(f"cannot listen on {host}:{port}: {exc.strerror}. Set TOKENMILL_PORT to another port.")
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
+        raise
 
 
 async def _serve_app(app: Litestar, sock: socket.socket, settings: Settings) -> None:

@@ -25,6 +25,7 @@ import uvicorn
 
 from tokenmill.bus import BusConfigError, Publisher, make_publisher
 from tokenmill.modelstore import model_name, resolve_model
+from tokenmill.net import bind, http_address
 from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture
 from tokenmill.settings import Settings
 from workers.server import Generator, WorkerInfo, create_app
@@ -67,25 +68,6 @@ class _Identity:
     model: str
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind the listening socket ourselves so that port 0 yields a known, free port."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _address(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def run_worker(
     settings: Settings,
     *,
@@ -119,7 +101,7 @@ def run_worker(
         log.error("%s", exc)
         return 2
     try:
-        sock = _bind(host, port)
+        sock = bind(host, port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc.strerror)
         return 1
@@ -159,7 +141,7 @@ def run_worker(
             signal.signal(sig, handler)
 
     bound_port = sock.getsockname()[1]
-    identity = _Identity(worker_id, deployment_id, _address(host, bound_port), name)
+    identity = _Identity(worker_id, deployment_id, http_address(host, bound_port), name)
     app = create_app(
         generator,
         token=token,
