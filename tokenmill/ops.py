@@ -22,3 +22,9 @@ async def health(request: Request) -> dict[str, Any]:
 @get("/metrics", include_in_schema=False, media_type=MediaType.TEXT)
 async def metrics() -> Response[bytes]:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/openapi.json", include_in_schema=False)
+async def openapi_json(request: Request) -> dict[str, Any]:
+    """The OpenAPI document where OpenAI-style tooling looks for it (also at /docs/openapi.json)."""
+    return request.app.openapi_schema.to_schema()

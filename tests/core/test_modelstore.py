@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill import modelstore
-from tokenmill.modelstore import MARKER, model_name, resolve_model
+from tokenmill.modelstore import MARKER, model_name, resolve_model, sampling_defaults
 
 
 @pytest.fixture
@@ -110,3 +110,13 @@ def test_bundled_smollm2_converts_to_a_loadable_directory(model_cache: Path) -> 
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (576, 30, 3)
     assert "quantization_config" not in config
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_sampling_defaults(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "eos": 2})
+    )
+    assert sampling_defaults(str(tmp_path), tmp_path) == {"temperature": 0.6, "top_p": 0.95}
+    assert sampling_defaults(str(tmp_path / "nothing"), tmp_path / "nothing") == {}
+    # the bundled model's authors' recommendation wins over an empty generation config
+    assert sampling_defaults("bundled:smollm2", tmp_path / "nothing") == {"temperature": 0.2, "top_p": 0.9}

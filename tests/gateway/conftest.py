@@ -147,6 +147,7 @@ async def gateway_env(tmp_path: Path, model_cache: Path) -> AsyncIterator[Env]:
         model_source=BUNDLED_MODEL,
         model_format="gguf",
         context_length=8192,
+        sampling={"temperature": 0.3, "top_p": 0.8},
     )
     assert boot.admin_secret
     app = create_app(settings, engine, Parts(gateway=True, admin=True, consumers=True, internal_bus=True))

@@ -205,3 +205,18 @@ async def test_admin_api_refuses_bad_input(gateway_env: Env) -> None:
     assert (await c.get("/admin/v1/organizations")).status_code == 401
     r = await c.post("/admin/v1/organizations/org_nope/keys", headers=admin, json={})
     assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_deployment_defaults_fill_omitted_sampling(gateway_env: Env) -> None:
+    w = await gateway_env.add_worker()
+    await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, temperature=1.5)
+    first, second = w.received
+    assert (first.sampling.temperature, first.sampling.top_p) == (0.3, 0.8)
+    assert (second.sampling.temperature, second.sampling.top_p) == (1.5, 0.8)
+
+
+async def test_openapi_document_describes_the_api(gateway_env: Env) -> None:
+    doc = (await gateway_env.client.get("/openapi.json")).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(doc["paths"])
+    assert "/internal/bus/{stream}" not in doc["paths"]
