@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -69,6 +71,7 @@ class OpenAIController(Controller):
     @post("/chat/completions", summary="Create a chat completion", status_code=200)
     async def chat(
         self,
+        request: Request,
         data: JSONBody[ChatCompletionRequest],
         gateway: NamedDependency[Gateway],
         caller: NamedDependency[Caller],
@@ -77,11 +80,14 @@ class OpenAIController(Controller):
         tok = await gateway.tokenizer(target)
         prompt = gateway.chat_prompt(data, tok, target)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _respond(gateway, caller, target, prompt, "chatcmpl", data.stream, include_usage, _chat)
+        return await _respond(
+            request, gateway, caller, target, prompt, "chatcmpl", data.stream, include_usage, _chat
+        )
 
     @post("/completions", summary="Create a text completion", status_code=200)
     async def completions(
         self,
+        request: Request,
         data: JSONBody[CompletionRequest],
         gateway: NamedDependency[Gateway],
         caller: NamedDependency[Caller],
@@ -90,7 +96,9 @@ class OpenAIController(Controller):
         tok = await gateway.tokenizer(target)
         prompt = gateway.completion_prompt(data, tok, target)
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return await _respond(gateway, caller, target, prompt, "cmpl", data.stream, include_usage, _text)
+        return await _respond(
+            request, gateway, caller, target, prompt, "cmpl", data.stream, include_usage, _text
+        )
 
 
 class _Shape(msgspec.Struct):
@@ -134,6 +142,7 @@ _text = _Shape(
 
 
 async def _respond(
+    request: Request,
     gateway: Gateway,
     caller: Caller,
     target: Target,
@@ -155,11 +164,20 @@ async def _respond(
         exc.headers.update(headers)
         raise
     if not stream:
-        text, last = [first.text], first
-        async for d in deltas:
-            text.append(d.text)
-            last = d
-        body = shape.final(object_id, created, target.model, "".join(text), _finish(last), _usage(last))
+        # Nothing is sent until the end, so watch for the client leaving: then stop the
+        # generation (the worker aborts, usage is metered as cancelled) instead of finishing it.
+        collect = asyncio.ensure_future(_collect(first, deltas))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            await deltas.aclose()
+            return Response(b"", status_code=499, headers=headers)  # nobody is listening
+        text, last = collect.result()
+        body = shape.final(object_id, created, target.model, text, _finish(last), _usage(last))
         return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
 
     async def events() -> AsyncIterator[bytes]:
@@ -186,6 +204,20 @@ async def _respond(
         media_type="text/event-stream",
         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+async def _collect(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> tuple[str, GenerateDelta]:
+    parts, last = [first.text], first
+    async for d in rest:
+        parts.append(d.text)
+        last = d
+    return "".join(parts), last
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _finish(d: GenerateDelta) -> str | None:

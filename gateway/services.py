@@ -188,7 +188,7 @@ class Gateway:
             return value if value is not None else float(d.get(name, fallback))
 
         return SamplingParams(
-            max_tokens=max_tokens or room,
+            max_tokens=max_tokens or min(room, int(d.get("max_tokens", room))),
             temperature=pick(req.temperature, "temperature", 1.0),
             top_p=pick(req.top_p, "top_p", 1.0),
             top_k=max(int(pick(req.top_k, "top_k", 0)), 0),

@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PREFIX = "bundled:"
 
-# What the model's authors recommend when a request says nothing (SmolLM2's model card).
-_BUNDLED_SAMPLING: dict[str, dict[str, float]] = {"smollm2": {"temperature": 0.2, "top_p": 0.9}}
+# What the model's authors recommend when a request says nothing (SmolLM2's model card),
+# and a cap on an omitted max_tokens: a 135M model on a CPU can loop for its whole context.
+_BUNDLED_SAMPLING: dict[str, dict[str, float]] = {
+    "smollm2": {"temperature": 0.2, "top_p": 0.9, "max_tokens": 1024}
+}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # name -> (package, path inside the package, public model name)
@@ -183,10 +186,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # \r-redrawn bars are noise in a server's log
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # \r-redrawn progress bars are noise in a server's log; the GGUF reader uses plain tqdm,
+    # which reads TQDM_DISABLE when a bar is created.
+    hf_logging.disable_progress_bar()
+    previous = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        if previous is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = previous
     # The weights are already dequantized to float32; drop the GGUF quantizer so that
     # save_pretrained writes plain safetensors and the saved config has no quantization_config.
     model.hf_quantizer = None

@@ -37,6 +37,8 @@ class FakeWorker:
 
     worker_id: str
     fail: bool = False
+    delay: float = 0.0  # seconds per token
+    max_tokens: int = 8
     received: list[GenerateRequest] = field(default_factory=list)
     url: str = ""
 
@@ -48,11 +50,11 @@ class FakeWorker:
             self.received.append(req)
             if self.fail:
                 raise RuntimeError("fake worker failure")
-            n = min(req.sampling.max_tokens, 8)
+            n = min(req.sampling.max_tokens, self.max_tokens)
 
             async def lines() -> AsyncIterator[bytes]:
                 for i in range(n):
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(self.delay)
                     d = GenerateDelta(
                         text=f"word{i} ",
                         token_ids=[100 + i],
@@ -147,7 +149,7 @@ async def gateway_env(tmp_path: Path, model_cache: Path) -> AsyncIterator[Env]:
         model_source=BUNDLED_MODEL,
         model_format="gguf",
         context_length=8192,
-        sampling={"temperature": 0.3, "top_p": 0.8},
+        sampling={"temperature": 0.3, "top_p": 0.8, "max_tokens": 5},
     )
     assert boot.admin_secret
     app = create_app(settings, engine, Parts(gateway=True, admin=True, consumers=True, internal_bus=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select
@@ -214,9 +215,27 @@ async def test_deployment_defaults_fill_omitted_sampling(gateway_env: Env) -> No
     first, second = w.received
     assert (first.sampling.temperature, first.sampling.top_p) == (0.3, 0.8)
     assert (second.sampling.temperature, second.sampling.top_p) == (1.5, 0.8)
+    await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO)
+    await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=7)
+    assert [r.sampling.max_tokens for r in w.received[2:]] == [5, 7]
 
 
 async def test_openapi_document_describes_the_api(gateway_env: Env) -> None:
     doc = (await gateway_env.client.get("/openapi.json")).json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(doc["paths"])
     assert "/internal/bus/{stream}" not in doc["paths"]
+
+
+async def test_client_gone_stops_generation_and_meters_what_was_made(gateway_env: Env) -> None:
+    w = await gateway_env.add_worker()
+    w.delay, w.max_tokens = 0.05, 1000
+    with pytest.raises(httpx.ReadTimeout):
+        await gateway_env.client.post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+            json={"model": MODEL, "messages": HELLO, "max_tokens": 1000},
+            timeout=0.5,
+        )
+    (row,) = await ledger(gateway_env, 1)
+    assert row.status == "cancelled"
+    assert 0 < row.completion_tokens < 100  # billed for what was generated, then stopped
