@@ -31,6 +31,9 @@ log = logging.getLogger("tokenmill")
 
 
 def _settings(**overrides: Any) -> Settings:
+    # Server logs are no place for \r-redrawn progress bars (the GGUF reader draws one with
+    # plain tqdm, which reads this variable only when it is first imported).
+    os.environ.setdefault("TQDM_DISABLE", "1")
     settings = Settings()
     for name, value in overrides.items():
         if value is not None:

@@ -186,19 +186,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    # \r-redrawn progress bars are noise in a server's log; the GGUF reader uses plain tqdm,
-    # which reads TQDM_DISABLE when a bar is created.
-    hf_logging.disable_progress_bar()
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
+    hf_logging.disable_progress_bar()  # \r-redrawn bars are noise in a server's log
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantized to float32; drop the GGUF quantizer so that
     # save_pretrained writes plain safetensors and the saved config has no quantization_config.
     model.hf_quantizer = None
