@@ -49,6 +49,11 @@ T = TypeVar("T")
 # pytest puts tests/ on sys.path. Unless the repo root comes first, `import billing` can resolve to
 # the namespace package tests/billing/ instead of the real one (also with an editable install,
 # whose import hook runs after the path search).
+# Without a GPU, Triton kernels run in its interpreter. Triton reads the switch when it is
+# first imported (which torch or transformers may do early), so set it before anything else.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -55,6 +55,14 @@ class Settings(BaseSettings):
         default=3.0, description="A worker without a heartbeat for this long is not routed to."
     )
     torch_threads: int | None = Field(default=None, description="torch intra-op threads on a worker.")
+    block_size: int = Field(default=16, description="Tokens per KV cache block (workers and the router).")
+    max_num_seqs: int = Field(default=64, description="Most sequences a worker runs at once.")
+    max_num_batched_tokens: int = Field(default=2048, description="Token budget of one engine step.")
+    kv_cache_gib: float = Field(default=1.0, description="KV cache memory of a CPU worker, in GiB.")
+    prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
+    attention_backend: str | None = Field(
+        default=None, description="`torch` or `triton`; default: Triton on CUDA, PyTorch on CPU."
+    )
     log_level: str = Field(default="INFO", description="Python logging level.")
 
     @cached_property

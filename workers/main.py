@@ -118,16 +118,21 @@ def run_worker(
 
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        from transformers.utils import logging as hf_logging
-
-        from workers.hf import HFGenerator
-
-        # Progress bars redraw with \r: noise in a service log, and they can glue onto the
-        # next line, the ready line included.
-        hf_logging.disable_progress_bar()
+        from workers.engine import EngineConfig
+        from workers.generator import EngineGenerator
 
         started = time.perf_counter()
-        generator = HFGenerator(model_dir)
+        generator = EngineGenerator(
+            EngineConfig(
+                model=str(model_dir),
+                block_size=settings.block_size,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                kv_cache_gib=settings.kv_cache_gib,
+                enable_prefix_caching=settings.prefix_caching,
+                attention_backend=settings.attention_backend,
+            )
+        )
         log.info("loaded %s from %s in %.1fs", name, model_dir, time.perf_counter() - started)
     except _Stop:
         log.info("stopped while loading")
@@ -270,7 +275,7 @@ async def _beat(
                 model=identity.model,
                 running=generator.running,
                 waiting=generator.waiting,
-                kv_usage=0.0,
+                kv_usage=generator.kv_usage,
                 adapters=[],
                 draining=was_draining,
                 ts=time.time(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from tokenmill.protocol import GenerateDelta, GenerateRequest
 
@@ -44,13 +45,22 @@ _E2E_BUCKETS = (
 
 
 class Generator(Protocol):
-    """What the server needs from a generator (HFGenerator now, the engine later)."""
+    """What the server needs from a generator (the engine's, or a test's fake)."""
 
     @property
     def running(self) -> int: ...
 
     @property
     def waiting(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+    @property
+    def prefix_cache_queries(self) -> int: ...
+
+    @property
+    def prefix_cache_hits(self) -> int: ...
 
     def validate(self, req: GenerateRequest) -> None: ...
 
@@ -77,6 +87,22 @@ def error_response(
     return Response(body, status_code=status, media_type=MediaType.JSON)
 
 
+class _EngineCounter:
+    """A counter whose value lives in the engine (prometheus_client counters only count up
+    by themselves, so this collector reads the engine's figure at scrape time)."""
+
+    def __init__(
+        self, name: str, doc: str, model: str, read: Callable[[], int], registry: CollectorRegistry
+    ) -> None:
+        self.name, self.doc, self.model, self.read = name, doc, model, read
+        registry.register(self)
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=["model_name"])
+        family.add_metric([self.model], self.read())
+        return [family]
+
+
 @dataclass(slots=True)
 class _Metrics:
     registry: CollectorRegistry
@@ -96,6 +122,18 @@ class _Metrics:
         running.labels(model).set_function(lambda: generator.running)
         waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to start.", labels, registry=registry)
         waiting.labels(model).set_function(lambda: generator.waiting)
+        kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels, registry=registry)
+        kv.labels(model).set_function(lambda: generator.kv_usage)
+        # Counters that the engine owns; exported as they are (vLLM's names, `_total` added).
+        for name, attr, doc in (
+            (
+                "vllm:prefix_cache_queries",
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+            ),
+            ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        ):
+            _EngineCounter(name, doc, model, lambda a=attr: getattr(generator, a), registry)
         return cls(
             registry=registry,
             prompt_tokens=Counter(

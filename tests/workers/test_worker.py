@@ -27,7 +27,8 @@ from litestar.params import FromPath
 from tokenmill.modelstore import model_name, resolve_model
 from tokenmill.protocol import WORKERS, GenerateDelta, GenerateRequest, SamplingParams
 from tokenmill.tokenization import Tokenizer
-from workers.hf import HFGenerator
+from workers.engine import EngineConfig
+from workers.generator import EngineGenerator
 from workers.server import WorkerInfo, create_app
 
 pytestmark = pytest.mark.slow
@@ -69,14 +70,14 @@ def model_dir(model_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generator(model_dir: Path) -> Iterator[HFGenerator]:
-    gen = HFGenerator(model_dir)
+def generator(model_dir: Path) -> Iterator[EngineGenerator]:
+    gen = EngineGenerator(EngineConfig(model=str(model_dir), kv_cache_gib=0.25))
     yield gen
     gen.close()
 
 
 @pytest.fixture(scope="module")
-async def worker_url(generator: HFGenerator) -> AsyncIterator[str]:
+async def worker_url(generator: EngineGenerator) -> AsyncIterator[str]:
     app = create_app(generator, token=TOKEN, info=WorkerInfo("w-test", model_name(MODEL), "dep-test"))
     url, server, task = await _start(app)
     yield url
@@ -108,7 +109,10 @@ async def _generate(
 def _check_stream(deltas: list[GenerateDelta], prompt_len: int) -> None:
     assert [d.finish_reason is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
     last = deltas[-1]
-    assert last.prompt_tokens == prompt_len and last.cached_tokens == 0
+    # a multiple of the block size: whole blocks come from the prefix cache, never the last token
+    assert (
+        last.prompt_tokens == prompt_len and last.cached_tokens % 16 == 0 and last.cached_tokens < prompt_len
+    )
     assert last.completion_tokens == sum(len(d.token_ids) for d in deltas)
     assert [d.completion_tokens for d in deltas] == sorted(d.completion_tokens for d in deltas)
 
@@ -116,7 +120,7 @@ def _check_stream(deltas: list[GenerateDelta], prompt_len: int) -> None:
 # --- /generate ---------------------------------------------------------------------------------
 
 
-async def test_generate_capital_of_france(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_generate_capital_of_france(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "What is the capital of France?")
     deltas, text = await _generate(client, prompt, temperature=0, max_tokens=40)
     assert "Paris" in text
@@ -127,7 +131,7 @@ async def test_generate_capital_of_france(client: httpx.AsyncClient, generator: 
     assert "<|im_end|>" not in text and text == text.strip()
 
 
-async def test_max_tokens_gives_length(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_max_tokens_gives_length(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "What is the capital of France?")
     deltas, text = await _generate(client, prompt, temperature=0, max_tokens=4)
     _check_stream(deltas, len(prompt))
@@ -136,14 +140,14 @@ async def test_max_tokens_gives_length(client: httpx.AsyncClient, generator: HFG
     assert text == "The capital of France"
 
 
-async def test_stop_string(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_stop_string(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "What is the capital of France?")
     deltas, text = await _generate(client, prompt, temperature=0, max_tokens=40, stop=["Paris", "xyz"])
     assert deltas[-1].finish_reason == "stop"
     assert text == "The capital of France is "
 
 
-async def test_stop_token_ids_and_ignore_eos(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_stop_token_ids_and_ignore_eos(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     tok = generator.tokenizer
     prompt = _chat(tok, "What is the capital of France?")
     france = tok.encode(" France")
@@ -158,7 +162,7 @@ async def test_stop_token_ids_and_ignore_eos(client: httpx.AsyncClient, generato
     assert text.startswith("The capital of France is Paris.")
 
 
-async def test_seed_reproducibility(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_seed_reproducibility(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "Write a short poem about the sea.")
     params = {"temperature": 1.0, "top_p": 0.95, "top_k": 50, "max_tokens": 16}
     a = (await _generate(client, prompt, seed=1234, **params))[1]
@@ -168,7 +172,7 @@ async def test_seed_reproducibility(client: httpx.AsyncClient, generator: HFGene
     assert a != c
 
 
-async def test_all_sampling_knobs(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_all_sampling_knobs(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "List some animals.")
     knobs = {
         "temperature": 0.7,
@@ -192,7 +196,7 @@ async def test_all_sampling_knobs(client: httpx.AsyncClient, generator: HFGenera
     assert plain != penalised
 
 
-async def test_disconnect_aborts_generation(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_disconnect_aborts_generation(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "Tell me a very long story about dragons.")
     req = GenerateRequest("t", prompt, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
     async with client.stream("POST", "/generate", content=msgspec.json.encode(req), headers=AUTH) as resp:
@@ -204,21 +208,24 @@ async def test_disconnect_aborts_generation(client: httpx.AsyncClient, generator
     assert generator.waiting == 0
 
 
-async def test_requests_queue_one_at_a_time(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_concurrent_requests_share_batches(
+    client: httpx.AsyncClient, generator: EngineGenerator
+) -> None:
     prompt = _chat(generator.tokenizer, "What is the capital of France?")
     first = asyncio.create_task(_generate(client, prompt, temperature=0, max_tokens=40, ignore_eos=True))
     second = asyncio.create_task(_generate(client, prompt, temperature=0, max_tokens=3))
-    seen_waiting = 0
+    seen_running = 0
     while not first.done():
         health = (await client.get("/health", headers=AUTH)).json()
-        seen_waiting = max(seen_waiting, health["waiting"])
+        seen_running = max(seen_running, health["running"])
         await asyncio.sleep(0.02)
-    (d1, _), (_, text2) = await first, await second
-    assert seen_waiting == 1
+    (d1, _), (d2, text2) = await first, await second
+    assert seen_running == 2  # continuous batching: the second did not wait for the first
     assert d1[-1].completion_tokens == 40 and text2 == "The capital of"
+    assert d2[-1].cached_tokens > 0  # the shared prompt came from the prefix cache
 
 
-async def test_bad_requests(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_bad_requests(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     resp = await client.post("/generate", content=b"{not json", headers=AUTH)
     assert resp.status_code == 400
     err = resp.json()["error"]
@@ -257,7 +264,7 @@ async def test_health(client: httpx.AsyncClient) -> None:
     assert body["worker_id"] == "w-test" and body["deployment_id"] == "dep-test"
 
 
-async def test_metrics(client: httpx.AsyncClient, generator: HFGenerator) -> None:
+async def test_metrics(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
     prompt = _chat(generator.tokenizer, "Hi")
     await _generate(client, prompt, temperature=0, max_tokens=2)
     resp = await client.get("/metrics", headers=AUTH)
@@ -277,6 +284,12 @@ async def test_metrics(client: httpx.AsyncClient, generator: HFGenerator) -> Non
     assert any(
         k.startswith("vllm:request_success_total{") and 'finished_reason="length"' in k for k in samples
     )
+    assert 0 <= samples[f"vllm:kv_cache_usage_perc{label}"] <= 1
+    await _generate(client, prompt, temperature=0, max_tokens=2)  # the same prompt again: a cache hit
+    again = (await client.get("/metrics", headers=AUTH)).text
+    queries = float(re.search(r"vllm:prefix_cache_queries_total\{[^}]*\} (\S+)", again).group(1))
+    hits = float(re.search(r"vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", again).group(1))
+    assert queries >= 2 * len(prompt) and hits >= 16
 
 
 # --- the worker process ------------------------------------------------------------------------

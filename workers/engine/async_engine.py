@@ -1,0 +1,134 @@
+"""The engine for servers: requests in from the event loop, steps on a thread of their own.
+
+The step loop holds the CPU (or waits on the GPU) for milliseconds at a time, so it runs
+off the event loop. The engine itself is not thread-safe: every call into it happens on
+the engine thread, which takes new requests and aborts from an inbox between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.engine import LLMEngine, Output
+from workers.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue[Output | BaseException]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._requests: dict[str, _Add] = {}
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting + self._inbox.qsize()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[Output]:
+        """Outputs of one request until all its samples finish; closing the iterator aborts it."""
+        outbox: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        self._inbox.put(
+            _Add(request_id, prompt_token_ids, params, kwargs, asyncio.get_running_loop(), outbox)
+        )
+        remaining = params.n
+        try:
+            while remaining:
+                item = await outbox.get()
+                if isinstance(item, BaseException):
+                    remaining = 0  # refused or failed: nothing of ours is left to abort
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            # Block only when idle; otherwise take what arrived and step again.
+            idle = not self.engine.has_unfinished()
+            try:
+                msg = self._inbox.get(block=idle)
+            except queue.Empty:
+                msg = _NOTHING
+            while msg is not _NOTHING:
+                if msg is None:
+                    return
+                self._apply(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = _NOTHING
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # fail every request in flight rather than hang them
+                log.exception("engine step failed")
+                for rid, add in list(self._requests.items()):
+                    self.engine.abort(rid)
+                    add.loop.call_soon_threadsafe(add.outbox.put_nowait, exc)
+                self._requests.clear()
+                continue
+            for out in outputs:
+                add = self._requests.get(out.request_id)
+                if add is None:
+                    continue
+                add.loop.call_soon_threadsafe(add.outbox.put_nowait, out)
+                if out.finish_reason is not None and self.engine.is_done(out.request_id):
+                    self._requests.pop(out.request_id, None)
+
+    def _apply(self, msg: _Add | _Abort) -> None:
+        if isinstance(msg, _Abort):
+            if self._requests.pop(msg.request_id, None) is not None:
+                self.engine.abort(msg.request_id)
+            return
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, **msg.kwargs)
+        except ValueError as exc:
+            msg.loop.call_soon_threadsafe(msg.outbox.put_nowait, exc)
+            return
+        self._requests[msg.request_id] = msg
+
+
+_NOTHING: Any = object()

@@ -1,0 +1,100 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, returns logits.
+
+Input of a step: (sequence, number of new tokens) pairs; the new tokens are
+`seq.token_ids[seq.num_computed_tokens:][:n]` and the sequence's block table already covers
+them. Output: the logits of each sequence's last new token, float32 [num_seqs, vocab].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from workers.engine.attention import AttentionMetadata
+from workers.engine.config import ModelConfig
+from workers.engine.models import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from workers.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        block_size: int,
+        device: str | torch.device,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # CUDA graphs for decode are not implemented (no GPU to test them on). The hook is
+        # `forward`: a pure-decode batch padded to a captured size could replay a graph there
+        # instead of calling the model, with static input/metadata buffers filled by `prepare`.
+
+    def prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """input_ids [T], positions [T] and the attention metadata of one step."""
+        bs = self.block_size
+        ids: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in batch:
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c : c + n])
+            starts.append(c)
+            q_lens.append(n)
+            tables.append(seq.block_table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        start = torch.tensor(starts, dtype=torch.int64)
+        q_len = torch.tensor(q_lens, dtype=torch.int64)
+        seq_lens = start + q_len
+        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int64)
+        torch.cumsum(q_len, 0, out=query_start_loc[1:])
+        num_tokens = len(ids)
+        if num_tokens != sum(q_lens):
+            raise ValueError("a sequence was scheduled more new tokens than it has")
+        if num_tokens == len(batch):  # pure decode (the hot loop): one token per sequence
+            positions, seq_of_token = start, torch.arange(len(batch))
+        else:  # position of token i of sequence s = start_s + (i - query_start_s), vectorised
+            seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_len)
+            positions = torch.arange(num_tokens) - query_start_loc[seq_of_token] + start[seq_of_token]
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_tables,
+            slot_mapping=slots,
+            max_query_len=max(q_lens),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        if self.device.type != "cpu":
+            input_ids, positions = self._to_device(input_ids), self._to_device(positions)
+            meta.query_start_loc = self._to_device(meta.query_start_loc)
+            meta.seq_lens = self._to_device(meta.seq_lens)
+            meta.block_tables = self._to_device(meta.block_tables)
+            meta.slot_mapping = self._to_device(meta.slot_mapping)
+        return input_ids, positions, meta
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Hidden states [T, hidden] of one step's tokens (their k/v land in the cache)."""
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[tuple[Sequence, int]]) -> Tensor:
+        """Logits of the last new token of every sequence, float32 [num_seqs, vocab]."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.forward(input_ids, positions, meta)
+        last = meta.query_start_loc[1:].long() - 1
+        return self.model.compute_logits(hidden[last])
