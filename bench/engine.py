@@ -1,0 +1,209 @@
+"""Engine throughput and prefix-cache TTFT against HF transformers, on this machine's CPU.
+
+    .venv/bin/python -m bench.engine            # the full workload (several minutes)
+    .venv/bin/python -m bench.engine --quick    # a small one, to check that it runs
+
+Workload (seeded): 64 requests, prompts of 32-512 random tokens, outputs of 16-256 tokens
+with EOS ignored, all arriving at t = 0. HF `generate` runs them in static batches of 8 in
+workload order (left padding, greedy); the engine gets them all at once. Only each
+request's own tokens count as useful output (padding and overshoot excluded). The
+shared-prefix workload sends 16 requests that share a 512-token system prompt one after
+another, with the prefix cache on and off, and compares mean time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.modelstore import resolve_model
+from workers.engine import EngineConfig, LLMEngine, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def workload(
+    seed: int, n: int, vocab: int, prompt_range: tuple[int, int], out_range: tuple[int, int]
+) -> list[Request]:
+    rng = random.Random(seed)
+    # Ordinary tokens only: ids below 100 hold the special tokens of most vocabularies.
+    return [
+        Request(
+            [rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))],
+            rng.randint(*out_range),
+        )
+        for _ in range(n)
+    ]
+
+
+def run_hf(model_dir: Path, reqs: list[Request], batch: int) -> float:
+    """Useful output tokens per second of HF `generate` in static batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i : i + batch]
+        width = max(len(r.prompt) for r in group)
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in group])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group])
+        new = max(r.max_tokens for r in group)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        useful += sum(r.max_tokens for r in group)
+    return useful / (time.perf_counter() - start)
+
+
+def run_engine(engine: LLMEngine, reqs: list[Request]) -> tuple[float, float]:
+    """(useful output tokens/s, decode-only tokens/s) with every request arriving at once."""
+    for i, r in enumerate(reqs):
+        engine.add_request(
+            str(i), r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        )
+    useful = 0
+    decode_tokens, decode_seconds = 0, 0.0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        running_before = engine.scheduler.num_running
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        useful += len(outs)
+        # A pure decode step: every running sequence got one token and nobody was admitted.
+        if outs and len(outs) == running_before and engine.scheduler.num_waiting == 0:
+            decode_tokens += len(outs)
+            decode_seconds += dt
+    total = time.perf_counter() - start
+    return useful / total, decode_tokens / decode_seconds if decode_seconds else 0.0
+
+
+def shared_prefix_ttft(
+    model_dir: Path, vocab: int, n: int, prefix_len: int, caching: bool, threads: int
+) -> float:
+    """Mean time to first token over n requests sharing a prefix, sent one after another."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), enable_prefix_caching=caching))
+    rng = random.Random(7)
+    system = [rng.randrange(100, vocab) for _ in range(prefix_len)]
+    ttfts = []
+    for i in range(n):
+        prompt = system + [rng.randrange(100, vocab) for _ in range(rng.randint(8, 32))]
+        start = time.perf_counter()
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        first = None
+        while engine.has_unfinished():
+            if engine.step() and first is None:
+                first = time.perf_counter() - start
+        ttfts.append(first or 0.0)
+    # The first request always computes the prefix; the mean is over all, as a user sees it.
+    return statistics.mean(ttfts)
+
+
+def ceilings(threads: int) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, memory bandwidth in bytes/s) measured here."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    reps, start = 20, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    flops = 2 * n**3 * reps / (time.perf_counter() - start)
+    src = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps, start = 5, time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    bandwidth = 2 * src.numel() * 4 * reps / (time.perf_counter() - start)  # read + write
+    return flops, bandwidth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a small workload that runs in about a minute")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path("~/.tokenmill/models").expanduser())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model_dir = resolve_model("bundled:smollm2", args.cache)
+
+    n, prompts, outs = (16, (32, 128), (8, 32)) if args.quick else (64, (32, 512), (16, 256))
+    engine = LLMEngine(EngineConfig(model=str(model_dir)))
+    vocab = engine.model_config.vocab_size
+    params = sum(p.numel() for p in engine.model.parameters())
+    reqs = workload(1234, n, vocab, prompts, outs)
+
+    flops, bandwidth = ceilings(args.threads)
+    engine_tps, decode_tps = run_engine(engine, reqs)
+    hf_tps = run_hf(model_dir, reqs, batch=8)
+    prefix_n, prefix_len = (4, 256) if args.quick else (16, 512)
+    ttft_on = shared_prefix_ttft(model_dir, vocab, prefix_n, prefix_len, True, args.threads)
+    ttft_off = shared_prefix_ttft(model_dir, vocab, prefix_n, prefix_len, False, args.threads)
+
+    # Decode roofline at the batch the engine ran: every step reads all weights once (bytes)
+    # and does 2 FLOPs per weight per sequence; whichever takes longer bounds the step.
+    batch = min(n, engine.config.max_num_seqs)
+    step = max(2 * params * batch / flops, 4 * params / bandwidth)
+    roofline = batch / step
+
+    rows = [
+        ("HF generate, static batches of 8 (tok/s)", hf_tps),
+        ("engine, continuous batching (tok/s)", engine_tps),
+        ("engine / HF", engine_tps / hf_tps),
+        ("engine decode-only steps (tok/s)", decode_tps),
+        (f"decode roofline at batch {batch} (tok/s)", roofline),
+        ("decode / roofline", decode_tps / roofline),
+        (f"mean TTFT, {prefix_n} x {prefix_len}-token shared prefix, cache off (s)", ttft_off),
+        ("mean TTFT, cache on (s)", ttft_on),
+        ("TTFT off / on", ttft_off / ttft_on),
+        ("fp32 matmul (GFLOP/s)", flops / 1e9),
+        ("memory bandwidth (GB/s)", bandwidth / 1e9),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\nbench/engine.py  (SmolLM2-135M fp32, {args.threads} threads, {n} requests)")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value:10.2f}")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / ("engine-quick.json" if args.quick else "engine.json")
+    out.write_text(
+        json.dumps(
+            {
+                "workload": {"requests": n, "prompts": prompts, "outputs": outs, "seed": 1234},
+                "threads": args.threads,
+                "results": {name: value for name, value in rows},
+                "requests": [asdict(r) | {"prompt": len(r.prompt)} for r in reqs],
+            },
+            indent=2,
+        )
+    )
+    print(f"  written to {out}")
+
+
+if __name__ == "__main__":
+    main()

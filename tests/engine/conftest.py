@@ -1,0 +1,79 @@
+"""Shared engine fixtures: tiny random-weight HF models saved as safetensors directories.
+
+``tiny_model`` (session, parametrized) yields a :class:`TinyModel` for each of
+``TINY_CONFIGS``: Llama with GQA, Llama 3 with "llama3" rope scaling, Qwen2 (q/k/v biases)
+and Mistral. The HF model itself is kept as the correctness reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM as HFAuto
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    # Larger than HF's 0.02 so the logits are spread out and greedy choices are not ties.
+    initializer_range=0.1,
+)
+
+TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-gqa": lambda: LlamaConfig(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    # Scaling only changes frequencies with wavelengths beyond original_max / high_freq_factor
+    # (16 positions here), and rope_theta 500000 puts most of a 16-dim head's frequencies there.
+    "llama3-rope": lambda: LlamaConfig(
+        **_COMMON,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-bias": lambda: Qwen2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**_COMMON, num_key_value_heads=4, head_dim=16, sliding_window=None),
+}
+
+
+@dataclass(slots=True)
+class TinyModel:
+    name: str
+    path: Path  # HF directory: config.json + model.safetensors
+    hf: torch.nn.Module  # the transformers model, eval mode, fp32
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """HF initialises norms to 1 and biases to 0, which would hide a swapped norm or a dropped
+    bias: give every parameter random values."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    name = request.param
+    torch.manual_seed(0)
+    hf = HFAuto.from_config(TINY_CONFIGS[name](), dtype=torch.float32)
+    _randomize(hf)
+    hf.eval()
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)  # safetensors
+    return TinyModel(name, path, hf)

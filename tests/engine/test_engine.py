@@ -1,0 +1,159 @@
+"""The engine end to end: the same tokens whatever the cache, budget, pool or backend;
+stop strings, seeds, n > 1 and logprobs on the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from tests.engine.conftest import TinyModel
+from tokenmill.modelstore import resolve_model
+from workers.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _byte_tokenizer(path: Path) -> None:
+    """A 256-token byte-level tokenizer, so the tiny random models can detokenize."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: ord(c))
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model: TinyModel) -> Path:
+    _byte_tokenizer(tiny_model.path)
+    return tiny_model.path
+
+
+def _prompts(n: int = 6) -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 256) for _ in range(40)]  # a shared prefix: the cache has work
+    return [
+        shared[: rng.randint(17, 40)] + [rng.randrange(3, 256) for _ in range(rng.randint(3, 25))]
+        for _ in range(n)
+    ]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("tiny_model", ["llama-gqa"], indirect=True)
+def test_same_tokens_with_cache_budget_and_tiny_pool(tiny: Path) -> None:
+    prompts = _prompts()
+    base_llm = LLM(str(tiny), enable_prefix_caching=False)
+    base = _tokens(base_llm, prompts)
+    assert all(len(t) == GREEDY.max_tokens for t in base)
+
+    cached = LLM(str(tiny))
+    assert _tokens(cached, prompts) == base
+    assert _tokens(cached, prompts) == base  # again, now mostly from the prefix cache
+    assert cached.engine.block_manager.hits > 0
+
+    chunked = LLM(str(tiny), max_num_batched_tokens=8)  # prompts split over several steps
+    assert _tokens(chunked, prompts) == base
+    assert chunked.engine.stats.steps > 2 * GREEDY.max_tokens
+
+    # 8 blocks of 16 tokens cannot hold six sequences of ~50 tokens: some must be preempted
+    # and recomputed, and must still produce the same tokens.
+    small = LLM(str(tiny), num_blocks=8)
+    assert _tokens(small, prompts) == base
+    assert small.engine.scheduler.preemptions > 0
+
+
+@pytest.mark.parametrize("tiny_model", ["llama-gqa"], indirect=True)
+def test_triton_backend_gives_the_same_tokens(tiny: Path) -> None:
+    """The Triton kernels wired into the engine (under the interpreter here) match PyTorch."""
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    torch_tokens = _tokens(LLM(str(tiny), attention_backend="torch"), prompts, params)
+    triton = LLM(str(tiny), attention_backend="triton", max_num_batched_tokens=16)
+    assert type(triton.engine.model.model.layers[0].self_attn.backend).__name__ == "TritonAttention"
+    assert _tokens(triton, prompts, params) == torch_tokens
+
+
+# --- the real model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(model_cache: Path) -> LLM:
+    torch.set_num_threads(2)
+    return LLM(str(resolve_model("bundled:smollm2", model_cache)), kv_cache_gib=0.25)
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    tok = llm.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+@pytest.mark.slow
+def test_stop_strings(smol: LLM) -> None:
+    prompt = _chat(smol, "Count from 1 to 10, separated by commas.")
+    free = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert "6" in free.text
+    cut = free.text.index("6")
+    stopped = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=["6"]))[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[:cut]  # cut before the stop string, which is not shown
+
+
+@pytest.mark.slow
+def test_seeds(smol: LLM) -> None:
+    prompt = _chat(smol, "Write a sentence about the sea.")
+
+    def sample(seed: int) -> str:
+        params = SamplingParams(temperature=1.0, max_tokens=24, seed=seed, ignore_eos=True)
+        return smol.generate([prompt], params)[0].outputs[0].text
+
+    first = sample(42)
+    assert sample(42) == first
+    assert sample(43) != first
+    # the same seed in a batch with other requests gives the same text
+    mixed = smol.generate(
+        [_chat(smol, "Hi!"), prompt], SamplingParams(temperature=1.0, max_tokens=24, seed=42, ignore_eos=True)
+    )
+    assert mixed[1].outputs[0].text == first
+
+
+@pytest.mark.slow
+def test_n_samples(smol: LLM) -> None:
+    prompt = _chat(smol, "Name an animal.")
+    (result,) = smol.generate(
+        [prompt], SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
+    )
+    a, b = result.outputs
+    assert len(a.token_ids) == len(b.token_ids) == 16
+    assert a.token_ids != b.token_ids
+
+
+@pytest.mark.slow
+def test_logprobs_match_hf(smol: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = _chat(smol, "What is the capital of France?")
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5)
+    out = smol.generate([prompt], params)[0].outputs[0]
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
+    hf = AutoModelForCausalLM.from_pretrained(smol.engine.config.model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, (tok, top) in enumerate(zip(out.token_ids, out.top_logprobs, strict=True)):
+        assert len(top) == 5 and top[0][0] == tok  # greedy: the sampled token is the top one
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-3)
+        hf_top = torch.topk(ref[i], 5)
+        assert [t for t, _ in top] == hf_top.indices.tolist()
+        for (_, lp), ref_lp in zip(top, hf_top.values.tolist(), strict=True):
+            assert lp == pytest.approx(ref_lp, abs=1e-3)
