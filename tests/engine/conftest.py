@@ -7,14 +7,12 @@ and Mistral. The HF model itself is kept as the correctness reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
-from transformers import AutoModelForCausalLM as HFAuto
 
 _COMMON = dict(
     vocab_size=256,
@@ -27,25 +25,28 @@ _COMMON = dict(
     initializer_range=0.1,
 )
 
-TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama-gqa": lambda: LlamaConfig(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+# name -> (transformers config class, its arguments besides _COMMON)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     # Scaling only changes frequencies with wavelengths beyond original_max / high_freq_factor
     # (16 positions here), and rope_theta 500000 puts most of a 16-dim head's frequencies there.
-    "llama3-rope": lambda: LlamaConfig(
-        **_COMMON,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+    "llama3-rope": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     ),
-    "qwen2-bias": lambda: Qwen2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
-    "mistral": lambda: MistralConfig(**_COMMON, num_key_value_heads=4, head_dim=16, sliding_window=None),
+    "qwen2-bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=4, head_dim=16, sliding_window=None)),
 }
 
 
@@ -69,9 +70,13 @@ def _randomize(model: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="session", params=list(TINY_CONFIGS))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    import transformers  # here, not at import: the kernel and scheduler tests do not need it
+
     name = request.param
+    config_class, kwargs = TINY_CONFIGS[name]
     torch.manual_seed(0)
-    hf = HFAuto.from_config(TINY_CONFIGS[name](), dtype=torch.float32)
+    config = getattr(transformers, config_class)(**_COMMON, **kwargs)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(hf)
     hf.eval()
     path = tmp_path_factory.mktemp(name)
