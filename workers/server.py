@@ -38,6 +38,9 @@ _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 _E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -109,6 +112,7 @@ class _Metrics:
     prompt_tokens: Counter
     generation_tokens: Counter
     ttft: Histogram
+    itl: Histogram
     e2e: Histogram
     success: Counter
 
@@ -149,6 +153,13 @@ class _Metrics:
                 buckets=_TTFT_BUCKETS,
                 registry=registry,
             ).labels(model),
+            itl=Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Time between successive output tokens of a request.",
+                labels,
+                buckets=_ITL_BUCKETS,
+                registry=registry,
+            ).labels(model),
             e2e=Histogram(
                 "vllm:e2e_request_latency_seconds",
                 "End-to-end request latency.",
@@ -181,7 +192,7 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
         return None
 
     async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
-        start = time.perf_counter()
+        start = last = time.perf_counter()
         first = True
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         try:
@@ -189,9 +200,14 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
             # and the inner one must be closed too so that generation stops now.
             async with aclosing(generator.generate(req)) as deltas:
                 async for delta in deltas:
-                    if first and delta.token_ids:
-                        metrics.ttft.observe(time.perf_counter() - start)
-                        first = False
+                    if delta.token_ids:
+                        now = time.perf_counter()
+                        if first:
+                            metrics.ttft.observe(now - start)
+                            first = False
+                        else:
+                            metrics.itl.observe(now - last)
+                        last = now
                     metrics.generation_tokens.inc(len(delta.token_ids))
                     if delta.finish_reason is not None:
                         metrics.success.labels(info.model, delta.finish_reason).inc()

@@ -202,10 +202,13 @@ async def test_disconnect_aborts_generation(client: httpx.AsyncClient, generator
     async with client.stream("POST", "/generate", content=msgspec.json.encode(req), headers=AUTH) as resp:
         async for line in resp.aiter_lines():
             assert msgspec.json.decode(line, type=GenerateDelta).completion_tokens == 1
+            assert generator.kv_usage > 0  # the request holds blocks while it runs
             break
     # The response is closed: the generation thread must notice within a token or two.
     await _eventually(lambda: generator.running == 0, 5)
     assert generator.waiting == 0
+    # its KV blocks went back to the pool (cached prompt blocks stay reusable, but unused)
+    await _eventually(lambda: generator.kv_usage == 0, 5)
 
 
 async def test_concurrent_requests_share_batches(
@@ -280,6 +283,7 @@ async def test_metrics(client: httpx.AsyncClient, generator: EngineGenerator) ->
     assert samples[f"vllm:prompt_tokens_total{label}"] >= len(prompt)
     assert samples[f"vllm:generation_tokens_total{label}"] >= 2
     assert samples[f"vllm:time_to_first_token_seconds_count{label}"] >= 1
+    assert samples[f"vllm:inter_token_latency_seconds_count{label}"] >= 1
     assert samples[f"vllm:e2e_request_latency_seconds_count{label}"] >= 1
     assert any(
         k.startswith("vllm:request_success_total{") and 'finished_reason="length"' in k for k in samples
