@@ -53,15 +53,27 @@ class GroupConsumer(Background):
     async def handle(self, entries: list[Entry]) -> None:
         raise NotImplementedError
 
+    async def stop(self) -> None:
+        """Stop the loop, then handle what has already arrived, so that events published just
+        before a shutdown (a worker's departure, a last usage event) are not left waiting."""
+        await super().stop()
+        try:
+            await self._consume(block=0.0)
+        except Exception:
+            log.warning("%s: final drain of %s failed; the group keeps it pending", self.name, self.stream)
+
+    async def _consume(self, block: float) -> None:
+        entries = await self.bus.read_group(
+            self.stream, self.group, self.consumer, block=block, count=self.count
+        )
+        if entries:
+            await self.handle(entries)
+            await self.bus.ack(self.stream, self.group, *[i for i, _ in entries])
+
     async def run(self) -> None:
         while True:
             try:
-                entries = await self.bus.read_group(
-                    self.stream, self.group, self.consumer, block=1.0, count=self.count
-                )
-                if entries:
-                    await self.handle(entries)
-                    await self.bus.ack(self.stream, self.group, *[i for i, _ in entries])
+                await self._consume(block=1.0)
             except asyncio.CancelledError:
                 raise
             except Exception:

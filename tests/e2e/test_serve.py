@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -218,6 +219,12 @@ def test_sigterm_stops_everything(server: Server) -> None:
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)], "worker outlived serve"
+    # the worker's lifetime was recorded from its announcement and departure on the bus
+    with sqlite3.connect(server.home / "tokenmill.db") as db:
+        rows = db.execute("SELECT status, started_at, stopped_at FROM workers").fetchall()
+    assert len(rows) == 1
+    status, started, stopped = rows[0]
+    assert status == "stopped" and started and stopped and stopped > started
 
 
 def test_killed_server_leaves_no_orphan(tmp_path: Path, model_cache: Path) -> None:
