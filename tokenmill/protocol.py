@@ -88,6 +88,23 @@ class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):
 WorkerEvent = WorkerAnnounce | Heartbeat | WorkerDeparture
 
 
+class KvOp(msgspec.Struct, array_like=True):
+    """Blocks a worker stored in ("stored") or evicted from ("removed") its prefix cache,
+    as hex block hashes (tokenmill.hashing)."""
+
+    op: str
+    hashes: list[str]
+
+
+class KvEvents(msgspec.Struct):
+    """A batch of prefix-cache changes of one worker, in the order they happened."""
+
+    worker_id: str
+    deployment_id: str | None
+    ops: list[KvOp]
+    ts: float = 0.0
+
+
 class UsageRecord(msgspec.Struct, omit_defaults=True):
     request_id: str
     org_id: str

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 
-from tokenmill.protocol import GenerateDelta, GenerateRequest
+from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from workers.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from workers.engine.block_manager import BlockRemoved, BlockStored
 
 
 class InvalidRequest(ValueError):
@@ -18,12 +20,25 @@ class InvalidRequest(ValueError):
 
 
 class EngineGenerator:
-    def __init__(self, config: EngineConfig, on_kv_event: Callable[[object], None] | None = None) -> None:
-        self.engine = LLMEngine(config, on_kv_event=on_kv_event)
+    def __init__(self, config: EngineConfig) -> None:
+        # Prefix-cache changes, appended on the engine thread (deque appends are atomic) and
+        # drained by the worker's publisher on the event loop.
+        self.kv_events: deque[KvOp] = deque()
+        self.engine = LLMEngine(config, on_kv_event=self._on_kv_event)
         self.tokenizer = self.engine.tokenizer
         self.model_dir = Path(config.model)
         self._async = AsyncEngine(self.engine)
         self._ids = itertools.count()
+
+    def _on_kv_event(self, event: BlockStored | BlockRemoved) -> None:
+        op = "stored" if isinstance(event, BlockStored) else "removed"
+        self.kv_events.append(KvOp(op, [h.hex() for h in event.hashes]))
+
+    def drain_kv_events(self) -> list[KvOp]:
+        ops = []
+        while self.kv_events:
+            ops.append(self.kv_events.popleft())
+        return ops
 
     # --- load, for metrics and heartbeats --------------------------------------------------
 

@@ -26,7 +26,7 @@ import uvicorn
 from tokenmill.bus import BusConfigError, Publisher, make_publisher
 from tokenmill.modelstore import model_name, resolve_model
 from tokenmill.net import bind, http_address
-from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture
+from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce, WorkerDeparture
 from tokenmill.settings import Settings
 from workers.server import Generator, WorkerInfo, create_app
 
@@ -208,7 +208,10 @@ async def _serve(
     print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
     sys.stderr.flush()
 
-    tasks = [asyncio.create_task(_beat(publisher, settings, identity, generator, draining))]
+    tasks = [
+        asyncio.create_task(_beat(publisher, settings, identity, generator, draining)),
+        asyncio.create_task(_publish_kv(publisher, settings, identity, generator)),
+    ]
     if parent_pid is not None:
         tasks.append(asyncio.create_task(_watch_parent(parent_pid, server, draining)))
     try:
@@ -227,13 +230,16 @@ async def _serve(
 
 
 async def _publish(
-    publisher: Publisher, event: msgspec.Struct, settings: Settings, *, first_failure: bool
+    publisher: Publisher,
+    event: msgspec.Struct,
+    settings: Settings,
+    *,
+    first_failure: bool,
+    stream: str = WORKERS,
 ) -> bool:
-    """Publish on WORKERS; failures (bus not up yet, network) are logged, never raised."""
+    """Publish on the bus; failures (bus not up yet, network) are logged, never raised."""
     try:
-        await asyncio.wait_for(
-            publisher.publish(WORKERS, event), timeout=max(settings.heartbeat_seconds, 2.0)
-        )
+        await asyncio.wait_for(publisher.publish(stream, event), timeout=max(settings.heartbeat_seconds, 2.0))
         return True
     except Exception as exc:
         # Warn once per outage; the next beat retries anyway.
@@ -291,6 +297,25 @@ async def _beat(
                 await asyncio.wait_for(draining.wait(), timeout=settings.heartbeat_seconds)
         else:
             await asyncio.sleep(settings.heartbeat_seconds)
+
+
+KV_INTERVAL = 0.1  # seconds: the router's view of our cache lags by about this much
+
+
+async def _publish_kv(
+    publisher: Publisher, settings: Settings, identity: _Identity, generator: Generator
+) -> None:
+    """Publish prefix-cache changes in small batches, so gateways route to where a prompt's
+    prefix already is. A batch that cannot be published is dropped: the router treats its
+    view as a hint, and the next heartbeat-era batches keep it roughly right."""
+    healthy = True
+    while True:
+        await asyncio.sleep(KV_INTERVAL)
+        ops = generator.drain_kv_events()
+        if not ops:
+            continue
+        event = KvEvents(identity.worker_id, identity.deployment_id, ops, ts=time.time())
+        healthy = await _publish(publisher, event, settings, first_failure=healthy, stream=KV)
 
 
 async def _watch_parent(parent_pid: int, server: _Server, draining: asyncio.Event) -> None:

@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
-from tokenmill.protocol import GenerateDelta, GenerateRequest
+from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class Generator(Protocol):
     def prefix_cache_hits(self) -> int: ...
 
     def validate(self, req: GenerateRequest) -> None: ...
+
+    def drain_kv_events(self) -> list[KvOp]: ...
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
 

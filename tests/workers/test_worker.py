@@ -24,8 +24,9 @@ import uvicorn
 from litestar import Litestar, Request, post
 from litestar.params import FromPath
 
+from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.modelstore import model_name, resolve_model
-from tokenmill.protocol import WORKERS, GenerateDelta, GenerateRequest, SamplingParams
+from tokenmill.protocol import KV, WORKERS, GenerateDelta, GenerateRequest, SamplingParams
 from tokenmill.tokenization import Tokenizer
 from workers.engine import EngineConfig
 from workers.generator import EngineGenerator
@@ -304,14 +305,16 @@ class _FakeBus:
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
+        self.kv: list[dict[str, Any]] = []
         self.auth: set[str] = set()
         self.changed = asyncio.Event()
 
         @post("/internal/bus/{stream:str}", status_code=202)
         async def publish(stream: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, str]:
-            assert stream == WORKERS
+            assert stream in (WORKERS, KV)
             self.auth.add(request.headers.get("authorization", ""))
-            self.events.append(msgspec.json.decode(await request.body()))
+            event = msgspec.json.decode(await request.body())
+            (self.events if stream == WORKERS else self.kv).append(event)
             self.changed.set()
             return {"id": f"{len(self.events)}-0"}
 
@@ -422,10 +425,17 @@ async def test_worker_process_lifecycle(
             req = GenerateRequest("t", prompt, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
             async with c.stream("POST", "/generate", content=msgspec.json.encode(req), headers=AUTH) as resp:
                 lines = resp.aiter_lines()
-                await anext(lines)
+                first = msgspec.json.decode(await anext(lines), type=GenerateDelta)
                 proc.send_signal(signal.SIGTERM)
                 rest = [msgspec.json.decode(line, type=GenerateDelta) async for line in lines if line]
             assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 25
+
+        # Its prefix cache changes went out on the KV stream, hashed as the router hashes.
+        tokens = prompt + [t for d in [first, *rest] for t in d.token_ids]
+        expected = [h.hex() for h in hash_blocks(tokens, 16, extra_keys(None, None))]
+        await bus.wait_for(lambda: bus.kv, 5)
+        stored = [h for e in bus.kv for op, hashes in e["ops"] if op == "stored" for h in hashes]
+        assert set(expected) <= set(stored) and all(e["worker_id"] == "w-sub" for e in bus.kv)
 
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         await bus.wait_for(lambda: bus.of_type("departure"), 5)
