@@ -25,8 +25,8 @@ from workers.engine.sequence import Sequence
 class EngineConfig:
     model: str  # an HF directory or a .gguf file
     tokenizer: str | None = None  # a directory with tokenizer.json; default: the model's
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
+    dtype: torch.dtype | None = None  # default: bf16 on CUDA, fp32 elsewhere
+    device: str | None = None  # default: CUDA when there is one, else the CPU
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # the token budget of one step
@@ -76,7 +76,11 @@ class Stats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, on_kv_event: Callable[[object], None] | None = None) -> None:
         self.config = config
+        if config.device is None:
+            config.device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(config.device)
+        if config.dtype is None:
+            config.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         backend = select_backend(device, config.attention_backend)
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=device, backend=backend
