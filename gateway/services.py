@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -17,8 +17,8 @@ from gateway.fleet import FleetView, WorkerState
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
 from tokenmill.modelstore import resolve_model
-from tokenmill.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
-from tokenmill.protocol import USAGE, GenerateDelta, GenerateRequest, SamplingParams, UsageRecord
+from tokenmill.openai_shapes import Prompt, model_not_found
+from tokenmill.protocol import USAGE, GenerateDelta, GenerateRequest, UsageRecord
 from tokenmill.settings import Settings
 from tokenmill.tokenization import Tokenizer
 
@@ -46,12 +46,6 @@ class Target:
     source: str
     context_length: int
     defaults: dict[str, float]  # sampling parameters a request leaves out
-
-
-@dataclass(slots=True)
-class Prompt:
-    token_ids: list[int]
-    sampling: SamplingParams
 
 
 class Gateway:
@@ -103,12 +97,7 @@ class Gateway:
         async with self.sessionmaker() as session:
             dep, model = await CatalogService(session).resolve(name, caller.org_id)
         if not caller.may_use(dep.name):
-            raise APIError(
-                404,
-                f"The model '{name}' does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-            )
+            raise model_not_found(name)
         if dep.kind != "generate":
             raise APIError(400, f"The model '{name}' does not generate text.", param="model")
         defaults = (dep.config or {}).get("sampling") or {}
@@ -130,82 +119,11 @@ class Gateway:
     def _load_tokenizer(self, source: str) -> Tokenizer:
         return Tokenizer.from_dir(resolve_model(source, self.settings.cache_dir))
 
-    # --- prompts -----------------------------------------------------------------------
-
-    def chat_prompt(self, req: ChatCompletionRequest, tok: Tokenizer, target: Target) -> Prompt:
-        _reject_unsupported(req.n, req.tools, req.response_format, bool(req.logprobs))
-        messages = [_message_dict(m) for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # a template may raise on e.g. wrong role order
-            raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
-        ids = tok.encode(text)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        return Prompt(ids, self._sampling(req, ids, max_tokens, target))
-
-    def completion_prompt(self, req: CompletionRequest, tok: Tokenizer, target: Target) -> Prompt:
-        _reject_unsupported(req.n, None, None, req.logprobs is not None)
-        if req.echo or req.suffix:
-            raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
-        prompt = req.prompt
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
-            if len(prompt) != 1:
-                raise APIError(400, "Send one prompt per request for now.", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt)
-        elif all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise APIError(
-                400, "'prompt' must be a string, a list of strings or a list of token ids.", param="prompt"
-            )
-        if not ids:
-            raise APIError(400, "The prompt must not be empty.", param="prompt")
-        return Prompt(ids, self._sampling(req, ids, req.max_tokens or 16, target))
-
-    def _sampling(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        ids: list[int],
-        max_tokens: int | None,
-        target: Target,
-    ) -> SamplingParams:
-        room = target.context_length - len(ids)
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            asked = f" plus {max_tokens} completion tokens" if max_tokens else ""
-            raise APIError(
-                400,
-                f"This model's maximum context length is {target.context_length} tokens. "
-                f"However, you requested {len(ids)} prompt tokens{asked}.",
-                code="context_length_exceeded",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            )
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        d = target.defaults
-
-        def pick(value: float | None, name: str, fallback: float) -> float:
-            return value if value is not None else float(d.get(name, fallback))
-
-        return SamplingParams(
-            max_tokens=max_tokens or min(room, int(d.get("max_tokens", room))),
-            temperature=pick(req.temperature, "temperature", 1.0),
-            top_p=pick(req.top_p, "top_p", 1.0),
-            top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
-            min_p=pick(req.min_p, "min_p", 0.0),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
-            seed=req.seed,
-            stop=stop,
-            ignore_eos=req.ignore_eos,
-        )
-
     # --- generation ----------------------------------------------------------------------
 
     async def generate(
         self, caller: Caller, target: Target, request_id: str, prompt: Prompt
-    ) -> AsyncIterator[GenerateDelta]:
+    ) -> AsyncGenerator[GenerateDelta, None]:
         """Deltas from a worker; retried on another worker until the first token arrives.
 
         Exactly one usage event is published however this ends (finish, error, client gone).
@@ -311,26 +229,3 @@ class Gateway:
 
 class _WorkerFailed(Exception):
     pass
-
-
-def _message_dict(m: ChatMessage) -> dict[str, object]:
-    content = m.content
-    if isinstance(content, list):
-        if any(p.type != "text" for p in content):
-            raise APIError(400, "Only text content parts are supported.", param="messages")
-        content = "".join(p.text or "" for p in content)
-    out: dict[str, object] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-    if m.name:
-        out["name"] = m.name
-    return out
-
-
-def _reject_unsupported(n: int, tools: object, response_format: dict | None, logprobs: bool) -> None:
-    if n != 1:
-        raise APIError(400, "Only n = 1 is supported for now.", param="n")
-    if tools:
-        raise APIError(400, "Tool calling is not supported yet.", param="tools")
-    if response_format and response_format.get("type") not in (None, "text"):
-        raise APIError(400, "Only response_format 'text' is supported yet.", param="response_format")
-    if logprobs:
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")

@@ -62,6 +62,11 @@ class EngineGenerator:
     def prefix_cache_hits(self) -> int:
         return self.engine.block_manager.hits
 
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + completion) one sequence may hold."""
+        return self.engine.max_model_len
+
     def close(self) -> None:
         self._async.shutdown()
 

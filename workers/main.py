@@ -24,7 +24,7 @@ import msgspec
 import uvicorn
 
 from tokenmill.bus import BusConfigError, Publisher, make_publisher
-from tokenmill.modelstore import model_name, resolve_model
+from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
 from tokenmill.net import bind, http_address
 from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce, WorkerDeparture
 from tokenmill.settings import Settings
@@ -150,7 +150,12 @@ def run_worker(
     app = create_app(
         generator,
         token=token,
-        info=WorkerInfo(worker_id=worker_id, model=name, deployment_id=deployment_id),
+        info=WorkerInfo(
+            worker_id=worker_id,
+            model=name,
+            deployment_id=deployment_id,
+            sampling=sampling_defaults(model, model_dir),
+        ),
     )
     config = uvicorn.Config(
         app,

@@ -1,4 +1,5 @@
-"""The worker's internal HTTP API: /generate (NDJSON stream), /health, /metrics.
+"""The worker's HTTP API: /generate (NDJSON stream), /health, /metrics, and OpenAI's
+/v1/chat/completions and /v1/completions so that one worker is usable on its own.
 
 Every endpoint requires the internal token, so nothing inside the network can reach a
 model while bypassing the gateway's keys, limits and metering.
@@ -9,13 +10,14 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.params import JSONBody
 from litestar.response import Stream
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,7 +29,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
+from tokenmill.errors import APIError, exception_handlers
+from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, model_not_found, respond
+from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
+from tokenmill.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,13 @@ class Generator(Protocol):
     @property
     def prefix_cache_hits(self) -> int: ...
 
+    # For the OpenAI endpoints, which tokenize here instead of in the gateway.
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def context_length(self) -> int: ...
+
     def validate(self, req: GenerateRequest) -> None: ...
 
     def drain_kv_events(self) -> list[KvOp]: ...
@@ -75,8 +88,10 @@ class Generator(Protocol):
 @dataclass(slots=True)
 class WorkerInfo:
     worker_id: str
-    model: str
+    model: str  # the public name; OpenAI requests must name it
     deployment_id: str | None = None
+    # Sampling parameters an OpenAI request leaves out (as a deployment's config gives the gateway).
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 def error_response(
@@ -193,31 +208,70 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
             return error_response(401, "invalid or missing internal token", code="invalid_internal_token")
         return None
 
-    async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
+    async def metered(req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        """The generator's deltas, recorded in the metrics; every endpoint generates through here."""
         start = last = time.perf_counter()
         first = True
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        # aclosing: when the client disconnects this generator is cancelled or closed,
+        # and the inner one must be closed too so that generation stops now.
+        async with aclosing(generator.generate(req)) as deltas:
+            async for delta in deltas:
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    if first:
+                        metrics.ttft.observe(now - start)
+                        first = False
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                metrics.generation_tokens.inc(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    metrics.success.labels(info.model, delta.finish_reason).inc()
+                    metrics.e2e.observe(time.perf_counter() - start)
+                yield delta
+
+    async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
         try:
-            # aclosing: when the client disconnects this generator is cancelled or closed,
-            # and the inner one must be closed too so that generation stops now.
-            async with aclosing(generator.generate(req)) as deltas:
+            async with aclosing(metered(req)) as deltas:
                 async for delta in deltas:
-                    if delta.token_ids:
-                        now = time.perf_counter()
-                        if first:
-                            metrics.ttft.observe(now - start)
-                            first = False
-                        else:
-                            metrics.itl.observe(now - last)
-                        last = now
-                    metrics.generation_tokens.inc(len(delta.token_ids))
-                    if delta.finish_reason is not None:
-                        metrics.success.labels(info.model, delta.finish_reason).inc()
-                        metrics.e2e.observe(time.perf_counter() - start)
                     yield encoder.encode(delta) + b"\n"
         except Exception as exc:  # the status line is long gone: report in-band
             log.exception("stream failed for %s", req.request_id)
             yield encoder.encode(GenerateDelta(finish_reason="error", error=str(exc))) + b"\n"
+
+    def openai_deltas(
+        prompt: Prompt, prompt_param: str
+    ) -> Callable[[str], AsyncGenerator[GenerateDelta, None]]:
+        """What `respond()` starts: the deltas of `prompt`, with failures as OpenAI errors."""
+
+        async def deltas(request_id: str) -> AsyncGenerator[GenerateDelta, None]:
+            req = GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt.token_ids, sampling=prompt.sampling
+            )
+            try:
+                generator.validate(req)  # the engine's own limits (vocabulary, sampling ranges)
+            except ValueError as exc:
+                param = getattr(exc, "param", None)
+                # The client sent text, not token ids: name the field it did send.
+                raise APIError(
+                    400, str(exc), param=prompt_param if param == "prompt_token_ids" else param
+                ) from exc
+            try:
+                async with aclosing(metered(req)) as stream:
+                    async for delta in stream:
+                        yield delta
+            except Exception as exc:
+                log.exception("generation failed for %s", request_id)
+                raise APIError(
+                    500, "The model failed while generating.", code="engine_error", type="server_error"
+                ) from exc
+
+        return deltas
+
+    def check_model(name: str) -> None:
+        if name != info.model:
+            raise model_not_found(name)
 
     @post("/generate", status_code=200)
     async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -232,6 +286,24 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
         except ValueError as exc:
             return error_response(400, str(exc), param=getattr(exc, "param", None))
         return Stream(stream(req), media_type=NDJSON)
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest]) -> Response[Any]:
+        check_model(data.model)
+        prompt = chat_prompt(
+            data, generator.tokenizer, context_length=generator.context_length, defaults=info.sampling
+        )
+        return await respond(request, data, info.model, openai_deltas(prompt, "messages"))
+
+    @post("/v1/completions", status_code=200)
+    async def completions(
+        request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
+    ) -> Response[Any]:
+        check_model(data.model)
+        prompt = completion_prompt(
+            data, generator.tokenizer, context_length=generator.context_length, defaults=info.sampling
+        )
+        return await respond(request, data, info.model, openai_deltas(prompt, "prompt"))
 
     @get("/health")
     async def health() -> dict[str, Any]:
@@ -249,8 +321,10 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return Litestar(
-        route_handlers=[generate, health, prometheus],
+        route_handlers=[generate, chat, completions, health, prometheus],
+        # Before the body is parsed: a wrong token is a 401 whatever the body.
         before_request=check_token,
+        exception_handlers=exception_handlers(),  # OpenAI-style errors, as the gateway answers
         openapi_config=None,
         logging_config=None,  # the process (CLI, run_worker) owns the logging setup
     )

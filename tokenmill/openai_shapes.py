@@ -1,0 +1,363 @@
+"""OpenAI requests in, OpenAI responses out: the one translation the gateway and workers share.
+
+An OpenAI chat or text completion request becomes prompt token ids and wire sampling
+parameters; a stream of `GenerateDelta` becomes a `ChatCompletion` / `Completion` or SSE
+chunks ending in `data: [DONE]`. Both the gateway and a worker used on its own answer
+through `respond()`, so their responses cannot drift apart.
+
+Everything above the last section is free of HTTP; `respond()` is the thin Litestar glue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import Stream
+
+from tokenmill.errors import APIError
+from tokenmill.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    PromptTokensDetails,
+    Usage,
+)
+from tokenmill.protocol import GenerateDelta, SamplingParams
+from tokenmill.tokenization import Tokenizer
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+def model_not_found(name: str) -> APIError:
+    # One wording whoever answers, so a client cannot tell a hidden model from a missing one.
+    return APIError(
+        404,
+        f"The model '{name}' does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+# --- prompts: OpenAI request -> token ids + sampling ---------------------------------------
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    sampling: SamplingParams
+
+
+def chat_prompt(
+    req: ChatCompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
+) -> Prompt:
+    """Render the chat template and tokenize; `defaults` fill sampling fields the request omits."""
+    reject_unsupported(req.n, req.tools, req.response_format, bool(req.logprobs))
+    messages = [message_dict(m) for m in req.messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # a template may raise on e.g. wrong role order
+        raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
+    ids = tok.encode(text)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return Prompt(
+        ids, sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
+    )
+
+
+def completion_prompt(
+    req: CompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
+) -> Prompt:
+    """Tokenize a text prompt (or take token ids as they are)."""
+    reject_unsupported(req.n, None, None, req.logprobs is not None)
+    if req.echo or req.suffix:
+        raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
+    prompt = req.prompt
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
+        if len(prompt) != 1:
+            raise APIError(400, "Send one prompt per request for now.", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+    elif all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise APIError(
+            400, "'prompt' must be a string, a list of strings or a list of token ids.", param="prompt"
+        )
+    if not ids:
+        raise APIError(400, "The prompt must not be empty.", param="prompt")
+    return Prompt(
+        ids, sampling_params(req, ids, req.max_tokens or 16, context_length=context_length, defaults=defaults)
+    )
+
+
+def sampling_params(
+    req: OpenAIRequest,
+    ids: list[int],
+    max_tokens: int | None,
+    *,
+    context_length: int,
+    defaults: Mapping[str, float],
+) -> SamplingParams:
+    """Wire sampling parameters, after checking that prompt + max_tokens fit the context."""
+    room = context_length - len(ids)
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        asked = f" plus {max_tokens} completion tokens" if max_tokens else ""
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context_length} tokens. "
+            f"However, you requested {len(ids)} prompt tokens{asked}.",
+            code="context_length_exceeded",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    d = defaults
+
+    def pick(value: float | None, name: str, fallback: float) -> float:
+        return value if value is not None else float(d.get(name, fallback))
+
+    return SamplingParams(
+        # Left out, max_tokens runs to the end of the context (or the deployment's cap).
+        max_tokens=max_tokens or min(room, int(d.get("max_tokens", room))),
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
+        top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
+        min_p=pick(req.min_p, "min_p", 0.0),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def message_dict(m: ChatMessage) -> dict[str, object]:
+    """A message as chat templates expect it: plain text content, `developer` read as `system`."""
+    content = m.content
+    if isinstance(content, list):
+        if any(p.type != "text" for p in content):
+            raise APIError(400, "Only text content parts are supported.", param="messages")
+        content = "".join(p.text or "" for p in content)
+    out: dict[str, object] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def reject_unsupported(n: int, tools: object, response_format: dict[str, Any] | None, logprobs: bool) -> None:
+    # Refused up front rather than silently ignored: a client relying on them must know.
+    if n != 1:
+        raise APIError(400, "Only n = 1 is supported for now.", param="n")
+    if tools:
+        raise APIError(400, "Tool calling is not supported yet.", param="tools")
+    if response_format and response_format.get("type") not in (None, "text"):
+        raise APIError(400, "Only response_format 'text' is supported yet.", param="response_format")
+    if logprobs:
+        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+
+
+# --- responses: deltas -> OpenAI objects and SSE -------------------------------------------
+
+
+class Shape(msgspec.Struct, frozen=True):
+    """How one endpoint turns deltas into its objects."""
+
+    kind: str  # prefix of the object id: chatcmpl-..., cmpl-...
+    final: Callable[[str, int, str, str, str | None, Usage], msgspec.Struct]
+    chunk: Callable[[str, int, str, str | None, str | None, bool], msgspec.Struct]
+    usage_chunk: Callable[[str, int, str, Usage], msgspec.Struct]
+
+
+CHAT = Shape(
+    kind="chatcmpl",
+    final=lambda i, c, m, text, fin, u: ChatCompletion(
+        id=i,
+        created=c,
+        model=m,
+        usage=u,
+        choices=[ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=fin)],
+    ),
+    chunk=lambda i, c, m, text, fin, first: ChatCompletionChunk(
+        id=i,
+        created=c,
+        model=m,
+        choices=[
+            ChunkChoice(
+                index=0, delta=Delta(role="assistant" if first else None, content=text), finish_reason=fin
+            )
+        ],
+    ),
+    usage_chunk=lambda i, c, m, u: ChatCompletionChunk(id=i, created=c, model=m, choices=[], usage=u),
+)
+
+TEXT = Shape(
+    kind="cmpl",
+    final=lambda i, c, m, text, fin, u: Completion(
+        id=i, created=c, model=m, usage=u, choices=[CompletionChoice(index=0, text=text, finish_reason=fin)]
+    ),
+    chunk=lambda i, c, m, text, fin, _first: Completion(
+        id=i, created=c, model=m, choices=[CompletionChoice(index=0, text=text or "", finish_reason=fin)]
+    ),
+    usage_chunk=lambda i, c, m, u: Completion(id=i, created=c, model=m, choices=[], usage=u),
+)
+
+
+def shape_of(req: OpenAIRequest) -> Shape:
+    return CHAT if isinstance(req, ChatCompletionRequest) else TEXT
+
+
+def usage(d: GenerateDelta) -> Usage:
+    """OpenAI usage from a delta's running totals (the last delta holds the final ones)."""
+    return Usage(
+        prompt_tokens=d.prompt_tokens,
+        completion_tokens=d.completion_tokens,
+        total_tokens=d.prompt_tokens + d.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=d.cached_tokens),
+    )
+
+
+def finish_reason(d: GenerateDelta) -> str | None:
+    # OpenAI clients know only stop and length; an abort or error still ends the choice.
+    if d.finish_reason is None:
+        return None
+    return d.finish_reason if d.finish_reason in ("stop", "length") else "stop"
+
+
+async def collect(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> tuple[str, GenerateDelta]:
+    """The whole text and the last delta (which carries finish reason and usage)."""
+    parts, last = [first.text], first
+    async for d in rest:
+        parts.append(d.text)
+        last = d
+    return "".join(parts), last
+
+
+async def sse_events(
+    shape: Shape,
+    object_id: str,
+    created: int,
+    model: str,
+    first: GenerateDelta,
+    deltas: AsyncGenerator[GenerateDelta, None],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """SSE `data:` lines for `first` then `deltas`, ending in `data: [DONE]`; closes `deltas`."""
+    last, is_first = first, True
+    try:
+        async for d in _achain(first, deltas):
+            last = d
+            fin = finish_reason(d)
+            # Empty deltas (e.g. a token held back as a possible stop string) are skipped,
+            # but the first chunk always goes out: it carries the assistant role.
+            if d.text or fin or is_first:
+                chunk = shape.chunk(object_id, created, model, d.text, fin, is_first)
+                yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                is_first = False
+        if include_usage:
+            u = shape.usage_chunk(object_id, created, model, usage(last))
+            yield b"data: " + msgspec.json.encode(u) + b"\n\n"
+    except APIError as exc:  # the status line is long gone: report in-band
+        yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+    finally:
+        await deltas.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+async def collect_unless_gone(
+    first: GenerateDelta, deltas: AsyncGenerator[GenerateDelta, None], receive: Receive
+) -> tuple[str, GenerateDelta] | None:
+    """`collect()`, or None (with `deltas` closed, which aborts the generation) if the
+    client disconnects first. `receive` is the ASGI receive callable of a request whose
+    body has been read, so the next message it yields can only be the disconnect."""
+    collecting = asyncio.ensure_future(collect(first, deltas))
+    gone = asyncio.ensure_future(_disconnected(receive))
+    left = False
+    try:
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collecting.done():  # the client left (or this handler is being cancelled)
+            left = True
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # nobody hears it now
+                await collecting
+            await deltas.aclose()
+    return None if left else collecting.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _achain(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> AsyncIterator[GenerateDelta]:
+    yield first
+    async for d in rest:
+        yield d
+
+
+# --- HTTP: the one response path of /v1/chat/completions and /v1/completions ---------------
+
+
+async def respond(
+    request: Request[Any, Any, Any],
+    body: OpenAIRequest,
+    model: str,
+    start: Callable[[str], AsyncGenerator[GenerateDelta, None]],
+) -> Response[Any]:
+    """Answer `body` from the deltas of `start(request_id)`: one JSON object, or an SSE stream.
+
+    `start` gets a fresh request id (also sent as `x-request-id`); closing the iterator
+    it returns must stop the generation, which happens when the client goes away.
+    """
+    shape = shape_of(body)
+    rid = secrets.token_hex(12)
+    request_id, object_id, created = f"req_{rid}", f"{shape.kind}-{rid}", int(time.time())
+    headers = {"x-request-id": request_id}
+    deltas = start(request_id)
+    # Wait for the first delta before answering, so failures before the first token
+    # (no worker, a refused request) are proper HTTP errors rather than a broken stream.
+    try:
+        first = await anext(deltas)
+    except APIError as exc:
+        exc.headers.update(headers)
+        raise
+    if not body.stream:
+        # Nothing is sent until the end, so watch for the client leaving: then stop the
+        # generation instead of finishing it for nobody.
+        try:
+            collected = await collect_unless_gone(first, deltas, request.receive)
+        except APIError as exc:  # failed after the first token, still before any byte was sent
+            exc.headers.update(headers)
+            raise
+        if collected is None:
+            return Response(b"", status_code=499, headers=headers)  # nobody is listening
+        text, last = collected
+        obj = shape.final(object_id, created, model, text, finish_reason(last), usage(last))
+        return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Stream(
+        sse_events(shape, object_id, created, model, first, deltas, include_usage),
+        media_type="text/event-stream",
+        headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
