@@ -1,7 +1,10 @@
-"""The gateway's view of the worker fleet, built from heartbeats on the bus.
+"""The gateway's view of the worker fleet, built from heartbeats and KV events on the bus.
 
-Every replica tails the same stream, so all replicas see the same workers. A worker whose
-heartbeats stop for `worker_timeout_seconds` is no longer routed to.
+Every replica tails the same streams, so all replicas see the same workers and route alike.
+A worker whose heartbeats stop for `worker_timeout_seconds` is no longer routed to. KV
+events say which prompt blocks each worker holds in its prefix cache: a request goes where
+the longest prefix of its prompt already is, unless that worker is much busier than the
+least loaded one.
 """
 
 from __future__ import annotations
@@ -10,16 +13,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from tokenmill.bus import EventBus
-from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture, WorkerEvent
+from tokenmill.protocol import (
+    KV,
+    WORKERS,
+    Heartbeat,
+    KvEvents,
+    WorkerAnnounce,
+    WorkerDeparture,
+    WorkerEvent,
+)
 from tokenmill.tasks import Background
 
 log = logging.getLogger("tokenmill.gateway.fleet")
+
+# Requests of extra load a worker may carry, beyond the least loaded, and still be chosen for
+# its cached prefix: past this, waiting in its queue costs more than recomputing the prefix.
+IMBALANCE = 4
 
 
 @dataclass(slots=True)
@@ -49,25 +64,42 @@ class FleetView(Background):
         self.bus = bus
         self.timeout = timeout
         self.workers: dict[str, WorkerState] = {}
+        self.cached: dict[str, set[str]] = {}  # worker id -> hex hashes of its cached blocks
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
-        decoder = msgspec.json.Decoder(WorkerEvent)
-        after = await self.bus.last_id(WORKERS)
+        workers = msgspec.json.Decoder(WorkerEvent)
+        kv = msgspec.json.Decoder(KvEvents)
+        await asyncio.gather(
+            self._tail(WORKERS, lambda raw: self.apply(workers.decode(raw))),
+            self._tail(KV, lambda raw: self.apply_kv(kv.decode(raw))),
+        )
+
+    async def _tail(self, stream: str, apply: Callable[[bytes], None]) -> None:
+        after = await self.bus.last_id(stream)
         while True:
             try:
-                for entry_id, raw in await self.bus.read(WORKERS, after, block=1.0):
+                for entry_id, raw in await self.bus.read(stream, after, block=1.0):
                     after = entry_id
-                    self.apply(decoder.decode(raw))
+                    apply(raw)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("fleet view: reading the workers stream failed; retrying")
+                log.exception("fleet view: reading %s failed; retrying", stream)
                 await asyncio.sleep(1.0)
+
+    def apply_kv(self, ev: KvEvents) -> None:
+        blocks = self.cached.setdefault(ev.worker_id, set())
+        for op in ev.ops:
+            if op.op == "stored":
+                blocks.update(op.hashes)
+            else:
+                blocks.difference_update(op.hashes)
 
     def apply(self, ev: WorkerEvent) -> None:
         if isinstance(ev, WorkerDeparture):
             self.workers.pop(ev.worker_id, None)
+            self.cached.pop(ev.worker_id, None)
             return
         state = self.workers.get(ev.worker_id)
         if state is None:
@@ -90,19 +122,40 @@ class FleetView(Background):
             if w.deployment_id == deployment_id and w.seen >= cutoff and not w.draining
         ]
 
-    def pick(self, deployment_id: str, exclude: Collection[str] = ()) -> WorkerState | None:
+    def pick(
+        self, deployment_id: str, exclude: Collection[str] = (), hashes: Sequence[str] = ()
+    ) -> WorkerState | None:
+        """The worker holding the longest cached prefix of `hashes` (the prompt's block
+        hashes) among those not much busier than the least loaded; ties go to the idler."""
         candidates = [w for w in self.live(deployment_id) if w.worker_id not in exclude]
-        return min(candidates, key=lambda w: (w.load, w.kv_usage), default=None)
+        if not candidates:
+            return None
+        least = min(w.load for w in candidates)
+        eligible = [w for w in candidates if w.load <= least + IMBALANCE]
+        return max(eligible, key=lambda w: (self.overlap(w.worker_id, hashes), -w.load, -w.kv_usage))
+
+    def overlap(self, worker_id: str, hashes: Sequence[str]) -> int:
+        """How many leading blocks of the prompt the worker has cached (a prefix cache can
+        only use an unbroken run from the start)."""
+        blocks = self.cached.get(worker_id)
+        if not blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
 
     def forget(self, worker_id: str) -> None:
         """Drop a worker that failed a request; its next heartbeat brings it back."""
         self.workers.pop(worker_id, None)
 
     async def wait_for(
-        self, deployment_id: str, wait: float, exclude: Collection[str] = ()
+        self, deployment_id: str, wait: float, exclude: Collection[str] = (), hashes: Sequence[str] = ()
     ) -> WorkerState | None:
         deadline = time.monotonic() + wait
-        while (worker := self.pick(deployment_id, exclude)) is None:
+        while (worker := self.pick(deployment_id, exclude, hashes)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None

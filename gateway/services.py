@@ -16,6 +16,7 @@ from control_plane.services import CatalogService, authenticate
 from gateway.fleet import FleetView, WorkerState
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
+from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.modelstore import resolve_model
 from tokenmill.openai_shapes import Prompt, model_not_found
 from tokenmill.protocol import USAGE, GenerateDelta, GenerateRequest, UsageRecord
@@ -137,6 +138,10 @@ class Gateway:
                 fairness_key=caller.org_id,
             )
         )
+        # The prompt's chained block hashes, salted per organisation exactly as the engine
+        # salts them, so the router can find the worker that already holds its prefix.
+        extra = extra_keys(caller.cache_salt, None)
+        hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
         started = time.monotonic()
         ttft: float | None = None
         last = GenerateDelta(prompt_tokens=len(prompt.token_ids))
@@ -144,7 +149,7 @@ class Gateway:
         tried: set[str] = set()
         try:
             while True:
-                worker = await self._worker(target, tried)
+                worker = await self._worker(target, tried, hashes)
                 tried.add(worker.worker_id)
                 worker.inflight += 1
                 try:
@@ -173,9 +178,9 @@ class Gateway:
         finally:
             await self._meter(caller, target, request_id, last, status, ttft, time.monotonic() - started)
 
-    async def _worker(self, target: Target, tried: set[str]) -> WorkerState:
+    async def _worker(self, target: Target, tried: set[str], hashes: list[str]) -> WorkerState:
         wait = self.settings.worker_wait_seconds if not tried else 2 * self.settings.heartbeat_seconds
-        worker = await self.fleet.wait_for(target.deployment_id, wait, exclude=tried)
+        worker = await self.fleet.wait_for(target.deployment_id, wait, exclude=tried, hashes=hashes)
         if worker is None:
             raise APIError(
                 503,

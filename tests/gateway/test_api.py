@@ -11,6 +11,8 @@ from sqlalchemy import select
 
 from billing.models import UsageEvent
 from tests.gateway.conftest import Env
+from tokenmill.hashing import extra_keys, hash_blocks
+from tokenmill.protocol import KV, KvEvents, KvOp
 from tokenmill.tokenization import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -239,3 +241,24 @@ async def test_client_gone_stops_generation_and_meters_what_was_made(gateway_env
     (row,) = await ledger(gateway_env, 1)
     assert row.status == "cancelled"
     assert 0 < row.completion_tokens < 100  # billed for what was generated, then stopped
+
+
+async def test_routes_to_the_worker_holding_the_prompt_prefix(gateway_env: Env) -> None:
+    gw = gateway_env.app.state.gateway
+    caller = await gw.authenticate(f"Bearer {gateway_env.admin_key}")
+    target = await gw.resolve(caller, MODEL)
+    tok = await gw.tokenizer(target)
+    ids = tok.encode(tok.apply_chat_template(HELLO, add_generation_prompt=True))
+    hashes = [h.hex() for h in hash_blocks(ids, 16, extra_keys(caller.cache_salt, None))]
+    assert hashes  # the chat prompt fills at least one block
+    idle, warm = await gateway_env.add_worker(), await gateway_env.add_worker()
+    await gateway_env.app.state.bus.publish(
+        KV, KvEvents(warm.worker_id, gateway_env.deployment_id, [KvOp("stored", hashes)])
+    )
+    for _ in range(100):
+        if gw.fleet.overlap(warm.worker_id, hashes):
+            break
+        await asyncio.sleep(0.01)
+    for _ in range(3):
+        await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert (len(warm.received), len(idle.received)) == (3, 0)
