@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 
 from tokenmill.bus import Entry, EventBus
 
 log = logging.getLogger("tokenmill.tasks")
 
 
-class Background:
+class Background(ABC):
     """`start()` on app startup, `stop()` on shutdown; subclasses write `run()`."""
 
     name = "background"
@@ -29,8 +30,9 @@ class Background:
                 await self._task
             self._task = None
 
+    @abstractmethod
     async def run(self) -> None:
-        raise NotImplementedError
+        """The loop; cancelled by `stop()`."""
 
 
 class GroupConsumer(Background):
@@ -50,8 +52,9 @@ class GroupConsumer(Background):
         self.bus = bus
         self.consumer = consumer
 
+    @abstractmethod
     async def handle(self, entries: list[Entry]) -> None:
-        raise NotImplementedError
+        """Apply one batch; must be idempotent (a failed batch is delivered again)."""
 
     async def stop(self) -> None:
         """Stop the loop, then handle what has already arrived, so that events published just

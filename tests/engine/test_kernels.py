@@ -11,7 +11,6 @@ _DEVICE = os.environ.get("TOKENMILL_KERNEL_TEST_DEVICE", "cpu")
 if _DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -20,6 +19,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from workers.engine.attention import AttentionMetadata, TorchAttention  # noqa: E402
 from workers.engine.kernels import store_kv, unified_attention  # noqa: E402
 from workers.engine.triton_attention import TritonAttention  # noqa: E402
 
@@ -203,10 +203,6 @@ def test_store_kv_skips_minus_one(dtype: torch.dtype) -> None:
 
 def test_matches_torch_attention() -> None:
     """Same outputs and caches as the PyTorch backend on a SmolLM2-shaped mixed batch."""
-    if importlib.util.find_spec("workers.engine.attention") is None:
-        pytest.skip("workers/engine/attention.py (TorchAttention) does not exist yet")
-    from workers.engine.attention import AttentionMetadata, TorchAttention
-
     batch = make_batch([1, 23, 1, 9], [50, 18, 31, 0], 9, 3, 64, 16, torch.float32, seed=1)
     m = batch.meta
     meta = AttentionMetadata(m.query_start_loc, m.seq_lens, m.block_tables, m.slot_mapping,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model
 from workers.engine.runner import ModelRunner
-from workers.engine.sampling import Sampler, SampleRow, SamplingParams, make_generator
+from workers.engine.sampling import SampleOutput, Sampler, SampleRow, SamplingParams, make_generator
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 
@@ -70,7 +70,6 @@ class Stats:
     generation_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0
-    per_step_tokens: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -251,7 +250,7 @@ class LLMEngine:
         if all(s.is_finished for s in self._seqs.get(request_id, [])):
             self._seqs.pop(request_id, None)
 
-    def _emit(self, seq: Sequence, result: object, j: int) -> Output:
+    def _emit(self, seq: Sequence, result: SampleOutput, j: int) -> Output:
         stream = self._streams[seq.seq_id]
         token = seq.token_ids[-1]
         params = seq.params
@@ -273,8 +272,6 @@ class LLMEngine:
             self.scheduler.finish(seq, finish)
             self._streams.pop(seq.seq_id, None)
             self._forget_if_done(seq.request_id)
-        logprobs = getattr(result, "logprobs", None)
-        top = getattr(result, "top_logprobs", None)
         want = params.logprobs is not None
         return Output(
             request_id=seq.request_id,
@@ -285,6 +282,6 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens,
             completion_tokens=completion,
-            logprobs=[logprobs[j]] if want and logprobs else None,
-            top_logprobs=[top[j]] if want and top else None,
+            logprobs=[result.logprobs[j]] if want else None,
+            top_logprobs=[result.top_logprobs[j]] if want else None,
         )
