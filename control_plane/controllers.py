@@ -14,6 +14,7 @@ from control_plane.models import ApiKey, Organization
 from control_plane.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, OrganizationCreate, OrganizationOut
 from control_plane.services import ApiKeyService, OrganizationService, authenticate
 from tokenmill.errors import APIError
+from tokenmill.protocol import KEYS, KeysChanged
 
 ADMIN_ROLES = ("platform_admin", "org_admin")
 
@@ -125,7 +126,15 @@ class AdminController(Controller):
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(
-        self, key_id: FromPath[str], admin: NamedDependency[ApiKey], keys: NamedDependency[ApiKeyService]
+        self,
+        key_id: FromPath[str],
+        admin: NamedDependency[ApiKey],
+        keys: NamedDependency[ApiKeyService],
+        request: Request,
     ) -> ApiKeyOut:
         org_id = None if admin.role == "platform_admin" else admin.org_id
-        return _key_out(await keys.revoke(key_id, org_id=org_id))
+        key = await keys.revoke(key_id, org_id=org_id)
+        # Commit before telling the gateways, so the record they re-read is the revoked one.
+        await keys.repository.session.commit()
+        await request.app.state.bus.publish(KEYS, KeysChanged(prefix=key.prefix))
+        return _key_out(key)

@@ -23,6 +23,9 @@ class Plan(Timestamped, Base):
     name: Mapped[str] = mapped_column(String(100), unique=True)
     requests_per_minute: Mapped[int | None]
     tokens_per_minute: Mapped[int | None]
+    # How much of a minute's allowance may arrive at once (GCRA capacity); None = a whole minute.
+    request_burst: Mapped[int | None]
+    token_burst: Mapped[int | None]
     max_concurrent: Mapped[int | None]
     monthly_budget: Mapped[Decimal | None] = mapped_column(Numeric(14, 4))
     budget_mode: Mapped[str] = mapped_column(String(10), default="soft")  # soft: alert, hard: refuse
@@ -69,6 +72,9 @@ class ApiKey(Timestamped, Base):
     scopes: Mapped[list[str] | None] = mapped_column(JSON)  # allowed model names; None = all
     requests_per_minute: Mapped[int | None]
     tokens_per_minute: Mapped[int | None]
+    request_burst: Mapped[int | None]
+    token_burst: Mapped[int | None]
+    max_concurrent: Mapped[int | None]
     expires_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
     last_used_at: Mapped[datetime | None]

@@ -12,7 +12,7 @@ from advanced_alchemy.service import SQLAlchemyAsyncRepositoryService
 from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.models import ROLES, ApiKey, Deployment, Model, Organization, Worker
+from control_plane.models import ROLES, Adapter, ApiKey, Deployment, Model, Organization, Plan, Worker
 from tokenmill import security
 from tokenmill.bus import Entry, EventBus
 from tokenmill.db import utcnow
@@ -100,25 +100,37 @@ class ApiKeyService(SQLAlchemyAsyncRepositoryService[ApiKey]):
         return key
 
 
-async def authenticate(session: AsyncSession, secret: str, secret_key: str) -> tuple[ApiKey, Organization]:
-    """The key record and its organisation, or a 401/403 APIError. Constant-time hash check."""
-    prefix = security.key_prefix(secret)
-    row = None
-    if prefix is not None:
-        result = await session.execute(
-            select(ApiKey, Organization)
-            .join(Organization, Organization.id == ApiKey.org_id)
-            .where(ApiKey.prefix == prefix)
-        )
-        row = result.first()
-    if row is None or not security.verify_key(secret, row[0].hash, secret_key):
+async def find_key(session: AsyncSession, prefix: str) -> tuple[ApiKey, Organization, Plan | None] | None:
+    """The key with this lookup prefix, its organisation and the organisation's plan."""
+    result = await session.execute(
+        select(ApiKey, Organization, Plan)
+        .join(Organization, Organization.id == ApiKey.org_id)
+        .outerjoin(Plan, Plan.id == Organization.plan_id)
+        .where(ApiKey.prefix == prefix)
+    )
+    row = result.first()
+    return None if row is None else (row[0], row[1], row[2])
+
+
+def check_key(secret: str, key: ApiKey | None, secret_key: str) -> ApiKey:
+    """`key` if `secret` is its secret and it is usable now, else a 401 APIError.
+    The hash comparison is constant-time."""
+    if key is None or not security.verify_key(secret, key.hash, secret_key):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-    key, org = row
     if key.revoked_at is not None:
         raise APIError(401, "This API key has been revoked.", code="invalid_api_key")
     if key.expires_at is not None and key.expires_at <= utcnow():
         raise APIError(401, "This API key has expired.", code="invalid_api_key")
-    return key, org
+    return key
+
+
+async def authenticate(session: AsyncSession, secret: str, secret_key: str) -> tuple[ApiKey, Organization]:
+    """The key record and its organisation, or a 401 APIError."""
+    prefix = security.key_prefix(secret)
+    found = await find_key(session, prefix) if prefix is not None else None
+    key = check_key(secret, found[0] if found else None, secret_key)
+    assert found is not None
+    return key, found[1]
 
 
 class CatalogService:
@@ -166,10 +178,27 @@ class CatalogService:
         )
         return [(d, m) for d, m in result.all()]
 
-    async def resolve(self, name: str, org_id: str) -> tuple[Deployment, Model]:
-        for dep, model in await self.visible_deployments(org_id):
+    async def adapters(self, org_id: str) -> list[Adapter]:
+        """The organisation's own LoRA adapters (no one else's, ever)."""
+        result = await self.session.scalars(
+            select(Adapter).where(Adapter.org_id == org_id).order_by(Adapter.name)
+        )
+        return list(result)
+
+    async def resolve(self, name: str, org_id: str) -> tuple[Deployment, Model, Adapter | None]:
+        """A model name as a caller of `org_id` sees it: a deployment it may use, or one of
+        its own adapters, served by the shared deployment of the adapter's base model."""
+        visible = await self.visible_deployments(org_id)
+        for dep, model in visible:
             if dep.name == name:
-                return dep, model
+                return dep, model, None
+        adapter = await self.session.scalar(
+            select(Adapter).where(Adapter.org_id == org_id, Adapter.name == name)
+        )
+        if adapter is not None:
+            for dep, model in visible:
+                if model.id == adapter.model_id and dep.org_id is None:
+                    return dep, model, adapter
         raise APIError(
             404,
             f"The model '{name}' does not exist or you do not have access to it.",
@@ -179,11 +208,23 @@ class CatalogService:
 
 
 @dataclass(slots=True)
+class EmbedSpec:
+    """An embedding model the embedded server serves next to its chat model."""
+
+    name: str
+    source: str
+    context_length: int
+    format: str = "hf"
+
+
+@dataclass(slots=True)
 class Bootstrap:
     org: Organization
     admin_secret: str | None  # only on the very first start
     deployment: Deployment
     model: Model
+    embed_deployment: Deployment | None = None
+    embed_model: Model | None = None
 
 
 async def bootstrap(
@@ -195,8 +236,10 @@ async def bootstrap(
     model_format: str,
     context_length: int,
     sampling: dict[str, float] | None = None,
+    embed: EmbedSpec | None = None,
 ) -> Bootstrap:
-    """First start: an organisation and a platform-admin key. Every start: the served model."""
+    """First start: an organisation and a platform-admin key. Every start: the served model,
+    and the embedding model (kind `embed`) with its serverless deployment when `embed` is given."""
     async with sessionmaker() as session, session.begin():
         orgs = OrganizationService(session=session)
         secret = None
@@ -218,7 +261,24 @@ async def bootstrap(
             context_length=context_length,
         )
         dep = await catalog.ensure_serverless(model, sampling)
-    return Bootstrap(org=org, admin_secret=secret, deployment=dep, model=model)
+        embed_model = embed_dep = None
+        if embed is not None:
+            embed_model = await catalog.ensure_model(
+                name=embed.name,
+                source=embed.source,
+                format=embed.format,
+                kind="embed",
+                context_length=embed.context_length,
+            )
+            embed_dep = await catalog.ensure_serverless(embed_model)
+    return Bootstrap(
+        org=org,
+        admin_secret=secret,
+        deployment=dep,
+        model=model,
+        embed_deployment=embed_dep,
+        embed_model=embed_model,
+    )
 
 
 class WorkerLifetimes(GroupConsumer):

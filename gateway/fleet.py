@@ -2,9 +2,16 @@
 
 Every replica tails the same streams, so all replicas see the same workers and route alike.
 A worker whose heartbeats stop for `worker_timeout_seconds` is no longer routed to. KV
-events say which prompt blocks each worker holds in its prefix cache: a request goes where
-the longest prefix of its prompt already is, unless that worker is much busier than the
-least loaded one.
+events say which prompt blocks each worker holds in its prefix cache: with the default
+`prefix` routing policy a request goes where the longest prefix of its prompt already is,
+unless that worker is much busier than the least loaded one. A prompt whose prefix is cached
+nowhere goes to the worker with the smallest cache footprint, so tenants spread over the
+fleet's combined cache instead of crowding one worker's. Between sending a prompt to a worker
+and that worker's KV events saying it stored the blocks (the whole prefill: seconds on a
+CPU), the routing decision itself stands in for the events, so a tenant's concurrent
+requests follow its first one instead of each computing the prefix on another worker.
+`round_robin` and `least_loaded` ignore the caches (baselines, and fleets whose prompts
+share nothing).
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import msgspec
 
@@ -28,13 +36,21 @@ from tokenmill.protocol import (
     WorkerDeparture,
     WorkerEvent,
 )
-from tokenmill.tasks import Background
+from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.gateway.fleet")
 
 # Requests of extra load a worker may carry, beyond the least loaded, and still be chosen for
 # its cached prefix: past this, waiting in its queue costs more than recomputing the prefix.
 IMBALANCE = 4
+
+# How long a routing decision counts as "this worker will hold these blocks" when no KV event
+# has confirmed it yet: longer than a queued prefill normally waits, short enough that a
+# request that failed before its prefill stops attracting others soon.
+PENDING_SECONDS = 30.0
+
+Routing = Literal["prefix", "round_robin", "least_loaded"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(Routing)
 
 
 @dataclass(slots=True)
@@ -59,47 +75,46 @@ class WorkerState:
 class FleetView(Background):
     name = "fleet-view"
 
-    def __init__(self, bus: EventBus, *, timeout: float) -> None:
+    def __init__(self, bus: EventBus, *, timeout: float, routing: Routing = "prefix") -> None:
         super().__init__()
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {routing!r}; one of {', '.join(ROUTING_POLICIES)}")
         self.bus = bus
         self.timeout = timeout
+        self.routing = routing
+        self._turn: dict[str, int] = {}  # deployment id -> round-robin position
         self.workers: dict[str, WorkerState] = {}
         self.cached: dict[str, set[str]] = {}  # worker id -> hex hashes of its cached blocks
+        # worker id -> hex hash -> monotonic deadline: blocks of prompts routed there that its
+        # KV events have not reported yet. Insertion-ordered with one TTL, so oldest first.
+        self.pending: dict[str, dict[str, float]] = {}
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
         workers = msgspec.json.Decoder(WorkerEvent)
         kv = msgspec.json.Decoder(KvEvents)
         await asyncio.gather(
-            self._tail(WORKERS, lambda raw: self.apply(workers.decode(raw))),
-            self._tail(KV, lambda raw: self.apply_kv(kv.decode(raw))),
+            tail(self.bus, WORKERS, lambda raw: self.apply(workers.decode(raw)), name=self.name),
+            tail(self.bus, KV, lambda raw: self.apply_kv(kv.decode(raw)), name=self.name),
         )
-
-    async def _tail(self, stream: str, apply: Callable[[bytes], None]) -> None:
-        after = await self.bus.last_id(stream)
-        while True:
-            try:
-                for entry_id, raw in await self.bus.read(stream, after, block=1.0):
-                    after = entry_id
-                    apply(raw)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("fleet view: reading %s failed; retrying", stream)
-                await asyncio.sleep(1.0)
 
     def apply_kv(self, ev: KvEvents) -> None:
         blocks = self.cached.setdefault(ev.worker_id, set())
+        pending = self.pending.get(ev.worker_id, {})
         for op in ev.ops:
             if op.op == "stored":
                 blocks.update(op.hashes)
             else:
                 blocks.difference_update(op.hashes)
+            # Either way the worker has now spoken for these blocks: its word replaces ours.
+            for h in op.hashes:
+                pending.pop(h, None)
 
     def apply(self, ev: WorkerEvent) -> None:
         if isinstance(ev, WorkerDeparture):
             self.workers.pop(ev.worker_id, None)
             self.cached.pop(ev.worker_id, None)
+            self.pending.pop(ev.worker_id, None)
             return
         state = self.workers.get(ev.worker_id)
         if state is None:
@@ -125,18 +140,49 @@ class FleetView(Background):
     def pick(
         self, deployment_id: str, exclude: Collection[str] = (), hashes: Sequence[str] = ()
     ) -> WorkerState | None:
-        """The worker holding the longest cached prefix of `hashes` (the prompt's block
-        hashes) among those not much busier than the least loaded; ties go to the idler."""
+        """A live worker of the deployment for a prompt with block hashes `hashes`, by the
+        routing policy; None if there is none (outside `exclude`)."""
         candidates = [w for w in self.live(deployment_id) if w.worker_id not in exclude]
         if not candidates:
             return None
+        if self.routing == "round_robin":
+            return self._round_robin(deployment_id, candidates)
+        if self.routing == "least_loaded":
+            return min(candidates, key=lambda w: (w.load, w.kv_usage, w.worker_id))
+        return self._prefix(candidates, hashes)
+
+    def _round_robin(self, deployment_id: str, candidates: list[WorkerState]) -> WorkerState:
+        # Ordered by id so the cycle is stable while heartbeats reorder nothing; a worker that
+        # joins or leaves shifts the cycle by one, which is harmless.
+        candidates.sort(key=lambda w: w.worker_id)
+        turn = self._turn.get(deployment_id, 0)
+        self._turn[deployment_id] = turn + 1
+        return candidates[turn % len(candidates)]
+
+    def _prefix(self, candidates: list[WorkerState], hashes: Sequence[str]) -> WorkerState:
+        """The worker holding (or about to hold) the longest prefix of `hashes` among those
+        not much busier than the least loaded, the idler of equals; if none holds any of it,
+        the one with the smallest cache footprint. The choice is remembered as pending blocks."""
         least = min(w.load for w in candidates)
         eligible = [w for w in candidates if w.load <= least + IMBALANCE]
-        return max(eligible, key=lambda w: (self.overlap(w.worker_id, hashes), -w.load, -w.kv_usage))
+        now = time.monotonic()
+        scored = [(self._expected_overlap(w.worker_id, hashes, now), w) for w in eligible]
+        best = max(score for score, _ in scored)
+        if best > 0:
+            chosen = min((w for score, w in scored if score == best), key=lambda w: (w.load, w.kv_usage))
+        else:
+            # A miss computes the whole prompt wherever it goes; what the choice decides is
+            # where this prefix will live. The worker holding the fewest blocks (ours pending
+            # included) has the most room, or the least-used cache once all are full; with
+            # least-loaded here every early miss would pile onto whichever worker is idle.
+            chosen = min(eligible, key=lambda w: (self._footprint(w.worker_id, now), w.load, w.kv_usage))
+        if hashes:
+            self._expect(chosen.worker_id, hashes, now)
+        return chosen
 
     def overlap(self, worker_id: str, hashes: Sequence[str]) -> int:
-        """How many leading blocks of the prompt the worker has cached (a prefix cache can
-        only use an unbroken run from the start)."""
+        """How many leading blocks of the prompt the worker has cached, by its KV events (a
+        prefix cache can only use an unbroken run from the start)."""
         blocks = self.cached.get(worker_id)
         if not blocks:
             return 0
@@ -147,9 +193,45 @@ class FleetView(Background):
             n += 1
         return n
 
+    def _expected_overlap(self, worker_id: str, hashes: Sequence[str], now: float) -> int:
+        """`overlap`, counting blocks of prompts routed there that it has not reported yet."""
+        blocks = self.cached.get(worker_id, set())
+        pending = self.pending.get(worker_id, {})
+        n = 0
+        for h in hashes:
+            if h not in blocks and pending.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def _footprint(self, worker_id: str, now: float) -> int:
+        """Blocks the worker holds or is about to hold."""
+        self._expire(worker_id, now)
+        return len(self.cached.get(worker_id, ())) + len(self.pending.get(worker_id, ()))
+
+    def _expect(self, worker_id: str, hashes: Sequence[str], now: float) -> None:
+        """Remember that the worker will store the prompt's blocks it does not report yet."""
+        self._expire(worker_id, now)
+        blocks = self.cached.get(worker_id, set())
+        pending = self.pending.setdefault(worker_id, {})
+        deadline = now + PENDING_SECONDS
+        for h in hashes:
+            if h not in blocks:
+                pending.pop(h, None)  # re-inserted at the end: the order stays by deadline
+                pending[h] = deadline
+
+    def _expire(self, worker_id: str, now: float) -> None:
+        pending = self.pending.get(worker_id)
+        while pending:
+            h, deadline = next(iter(pending.items()))
+            if deadline > now:
+                break
+            del pending[h]
+
     def forget(self, worker_id: str) -> None:
         """Drop a worker that failed a request; its next heartbeat brings it back."""
         self.workers.pop(worker_id, None)
+        self.pending.pop(worker_id, None)
 
     async def wait_for(
         self, deployment_id: str, wait: float, exclude: Collection[str] = (), hashes: Sequence[str] = ()

@@ -8,45 +8,42 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.services import CatalogService, authenticate
+from control_plane.services import CatalogService
+from gateway.admission import Admitter, Ticket
 from gateway.fleet import FleetView, WorkerState
+from gateway.keys import Caller, KeyCache
+from gateway.upstream import Upstream, UpstreamError
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
 from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.modelstore import resolve_model
 from tokenmill.openai_shapes import Prompt, model_not_found
-from tokenmill.protocol import USAGE, GenerateDelta, GenerateRequest, UsageRecord
+from tokenmill.protocol import USAGE, EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, UsageRecord
 from tokenmill.settings import Settings
 from tokenmill.tokenization import Tokenizer
 
 log = logging.getLogger("tokenmill.gateway")
 
 MAX_ATTEMPTS = 3
-
-
-@dataclass(slots=True, frozen=True)
-class Caller:
-    key_id: str
-    org_id: str
-    role: str
-    scopes: tuple[str, ...] | None
-    cache_salt: str
-
-    def may_use(self, model: str) -> bool:
-        return self.scopes is None or model in self.scopes
+# How long a resolved model name is reused without reading the catalogue again, and how many
+# (organisation, name) pairs are kept.
+CATALOG_TTL = 5.0
+CATALOG_MAX = 10_000
 
 
 @dataclass(slots=True, frozen=True)
 class Target:
     deployment_id: str
     model: str  # the public name the caller asked for
+    model_id: str
     source: str
     context_length: int
     defaults: dict[str, float]  # sampling parameters a request leaves out
+    adapter_id: str | None = None
+    kind: str = "generate"  # of the deployment: generate | embed
 
 
 class Gateway:
@@ -56,53 +53,77 @@ class Gateway:
         *,
         sessionmaker: async_sessionmaker[AsyncSession],
         fleet: FleetView,
+        keys: KeyCache,
+        admitter: Admitter,
         publisher: Publisher,
-        http: httpx.AsyncClient,
+        upstream: Upstream,
     ) -> None:
         self.settings = settings
         self.sessionmaker = sessionmaker
         self.fleet = fleet
+        self.keys = keys
+        self.admitter = admitter
         self.publisher = publisher
-        self.http = http
+        self.upstream = upstream
+        self._internal = {
+            "authorization": f"Bearer {settings.internal_token}",
+            "content-type": "application/json",
+        }
         self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
+        self._targets: dict[tuple[str, str], tuple[Target, float]] = {}
         self._delta = msgspec.json.Decoder(GenerateDelta)
+        self._embedded = msgspec.json.Decoder(EmbedResponse)
 
     # --- who and what ------------------------------------------------------------------
 
     async def authenticate(self, authorization: str | None) -> Caller:
-        scheme, _, secret = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
-            raise APIError(
-                401,
-                "You didn't provide an API key. Send it as 'Authorization: Bearer tm-...'.",
-                code="invalid_api_key",
-            )
-        assert self.settings.secret_key
-        async with self.sessionmaker() as session:
-            key, org = await authenticate(session, secret.strip(), self.settings.secret_key)
-        if org.status != "active":
-            raise APIError(403, "This organisation is suspended.", code="organization_suspended")
-        return Caller(key.id, org.id, key.role, tuple(key.scopes) if key.scopes else None, org.cache_salt)
+        return await self.keys.caller(authorization)
 
     async def models(self, caller: Caller) -> list[tuple[str, int, str]]:
-        """(name, created, owner) of every model the caller may use."""
+        """(name, created, owner) of every model the caller may use: deployments it can see
+        and its organisation's own adapters."""
         async with self.sessionmaker() as session:
-            rows = await CatalogService(session).visible_deployments(caller.org_id)
-        return [
-            (d.name, int(d.created_at.timestamp()), d.org_id or "tokenmill")
-            for d, _ in rows
-            if d.kind == "generate" and caller.may_use(d.name)
-        ]
+            catalog = CatalogService(session)
+            rows = await catalog.visible_deployments(caller.org_id)
+            adapters = await catalog.adapters(caller.org_id)
+        served = {m.id for d, m in rows if d.kind == "generate" and d.org_id is None}
+        out = [(d.name, int(d.created_at.timestamp()), d.org_id or "tokenmill") for d, _ in rows]
+        out += [(a.name, int(a.created_at.timestamp()), a.org_id) for a in adapters if a.model_id in served]
+        return sorted(o for o in out if caller.may_use(o[0]))
 
-    async def resolve(self, caller: Caller, name: str) -> Target:
-        async with self.sessionmaker() as session:
-            dep, model = await CatalogService(session).resolve(name, caller.org_id)
-        if not caller.may_use(dep.name):
+    async def resolve(self, caller: Caller, name: str, kind: str = "generate") -> Target:
+        target = await self._resolve(caller.org_id, name)
+        if not caller.may_use(name):
             raise model_not_found(name)
-        if dep.kind != "generate":
-            raise APIError(400, f"The model '{name}' does not generate text.", param="model")
-        defaults = (dep.config or {}).get("sampling") or {}
-        return Target(dep.id, dep.name, model.source, model.context_length, defaults)
+        if target.kind != kind:
+            does = "generate text" if kind == "generate" else "compute embeddings"
+            raise APIError(400, f"The model '{name}' does not {does}.", param="model")
+        return target
+
+    async def _resolve(self, org_id: str, name: str) -> Target:
+        """What `name` means to `org_id`, from the catalogue read at most once per
+        `CATALOG_TTL` seconds. Only hits are cached: a model that appears is usable at once,
+        a changed or removed one serves its old meaning for at most the TTL."""
+        key = (org_id, name)
+        hit = self._targets.get(key)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+        async with self.sessionmaker() as session:
+            dep, model, adapter = await CatalogService(session).resolve(name, org_id)
+        target = Target(
+            dep.id,
+            name,
+            model.id,
+            model.source,
+            model.context_length,
+            (dep.config or {}).get("sampling") or {},
+            adapter.id if adapter else None,
+            dep.kind,
+        )
+        if len(self._targets) >= CATALOG_MAX:  # many orgs x names: start over rather than grow
+            self._targets.clear()
+        self._targets[key] = (target, time.monotonic() + CATALOG_TTL)
+        return target
 
     async def tokenizer(self, target: Target) -> Tokenizer:
         # One load per model, shared by concurrent first requests; resolving may convert
@@ -123,28 +144,42 @@ class Gateway:
     # --- generation ----------------------------------------------------------------------
 
     async def generate(
-        self, caller: Caller, target: Target, request_id: str, prompt: Prompt
+        self,
+        caller: Caller,
+        target: Target,
+        request_id: str,
+        prompt: Prompt,
+        headers: dict[str, str] | None = None,
     ) -> AsyncGenerator[GenerateDelta, None]:
         """Deltas from a worker; retried on another worker until the first token arrives.
 
-        Exactly one usage event is published however this ends (finish, error, client gone).
+        Admission (limits, budget) comes first and its `x-ratelimit-*` headers go into
+        `headers`. Once admitted, exactly one usage event is published however this ends
+        (finish, error, client gone), and the limits and budget hold are settled.
         """
+        ticket = await self.admitter.admit(
+            caller, target.model_id, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
+        )
+        if headers is not None:
+            headers.update(ticket.headers)
         body = msgspec.json.encode(
             GenerateRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt.token_ids,
                 sampling=prompt.sampling,
+                adapter=target.adapter_id,
                 cache_salt=caller.cache_salt,
                 fairness_key=caller.org_id,
             )
         )
-        # The prompt's chained block hashes, salted per organisation exactly as the engine
-        # salts them, so the router can find the worker that already holds its prefix.
-        extra = extra_keys(caller.cache_salt, None)
+        # The prompt's chained block hashes, salted per organisation (and adapter) exactly as
+        # the engine salts them, so the router can find the worker that holds its prefix.
+        extra = extra_keys(caller.cache_salt, target.adapter_id)
         hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
         started = time.monotonic()
         ttft: float | None = None
-        last = GenerateDelta(prompt_tokens=len(prompt.token_ids))
+        # Only what a worker reports is billed: a request no worker took costs nothing.
+        last = GenerateDelta()
         status = "error"
         tried: set[str] = set()
         try:
@@ -160,7 +195,7 @@ class Gateway:
                         yield delta
                     status = "ok" if last.finish_reason not in ("error", "abort") else last.finish_reason
                     return
-                except (httpx.TransportError, _WorkerFailed) as exc:
+                except (UpstreamError, _WorkerFailed) as exc:
                     self.fleet.forget(worker.worker_id)
                     if ttft is not None or len(tried) >= MAX_ATTEMPTS:
                         log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
@@ -176,7 +211,58 @@ class Gateway:
             status = "cancelled"
             raise
         finally:
-            await self._meter(caller, target, request_id, last, status, ttft, time.monotonic() - started)
+            await self._finish(ticket, caller, target, last, status, ttft, time.monotonic() - started)
+
+    async def embed(
+        self,
+        caller: Caller,
+        target: Target,
+        request_id: str,
+        inputs: list[list[int]],
+        headers: dict[str, str] | None = None,
+    ) -> EmbedResponse:
+        """Embeddings of tokenized inputs from a worker of the embed deployment; admitted,
+        retried on another worker when one fails, metered once like a generation."""
+        tokens = sum(len(i) for i in inputs)
+        ticket = await self.admitter.admit(caller, target.model_id, request_id, tokens, 0)
+        if headers is not None:
+            headers.update(ticket.headers)
+        body = msgspec.json.encode(EmbedRequest(request_id=request_id, inputs=inputs))
+        started = time.monotonic()
+        done = GenerateDelta()
+        status = "error"
+        tried: set[str] = set()
+        try:
+            while True:
+                worker = await self._worker(target, tried, [])
+                tried.add(worker.worker_id)
+                worker.inflight += 1
+                try:
+                    async with self.upstream.post(worker.address, "/embed", body, self._internal) as r:
+                        content = await r.read()
+                    if r.status_code == 400:  # the worker's own validation: the caller's fault
+                        err = msgspec.json.decode(content).get("error", {})
+                        raise APIError(400, err.get("message", "Invalid input."), param="input")
+                    if r.status_code != 200:
+                        raise _WorkerFailed(f"status {r.status_code}: {content[:300]!r}")
+                    result = self._embedded.decode(content)
+                    done = GenerateDelta(prompt_tokens=result.prompt_tokens)
+                    status = "ok"
+                    return result
+                except (UpstreamError, _WorkerFailed) as exc:
+                    self.fleet.forget(worker.worker_id)
+                    if len(tried) >= MAX_ATTEMPTS:
+                        raise APIError(
+                            503, "The embedding worker failed; please retry.", code="worker_error"
+                        ) from exc
+                    log.info("worker %s failed on embeddings; retrying elsewhere", worker.worker_id)
+                finally:
+                    worker.inflight -= 1
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            await self._finish(ticket, caller, target, done, status, None, time.monotonic() - started)
 
     async def _worker(self, target: Target, tried: set[str], hashes: list[str]) -> WorkerState:
         wait = self.settings.worker_wait_seconds if not tried else 2 * self.settings.heartbeat_seconds
@@ -190,33 +276,33 @@ class Gateway:
         return worker
 
     async def _stream(self, worker: WorkerState, body: bytes) -> AsyncIterator[GenerateDelta]:
-        headers = {
-            "authorization": f"Bearer {self.settings.internal_token}",
-            "content-type": "application/json",
-        }
-        async with self.http.stream("POST", f"{worker.address}/generate", content=body, headers=headers) as r:
+        async with self.upstream.post(worker.address, "/generate", body, self._internal) as r:
             if r.status_code != 200:
-                detail = (await r.aread())[:500]
+                detail = (await r.read())[:500]
                 raise _WorkerFailed(f"status {r.status_code}: {detail!r}")
-            async for line in r.aiter_lines():
-                if line:
-                    yield self._delta.decode(line)
+            async for line in r.lines():
+                yield self._delta.decode(line)
 
-    async def _meter(
+    async def _finish(
         self,
+        ticket: Ticket,
         caller: Caller,
         target: Target,
-        request_id: str,
         last: GenerateDelta,
         status: str,
         ttft: float | None,
         duration: float,
     ) -> None:
+        # Shielded: a cancelled request (client gone) must still settle and be metered.
+        await asyncio.shield(
+            self.admitter.settle(ticket, last.prompt_tokens, last.cached_tokens, last.completion_tokens)
+        )
         record = UsageRecord(
-            request_id=request_id,
+            request_id=ticket.request_id,
             org_id=caller.org_id,
             api_key_id=caller.key_id,
             model=target.model,
+            adapter=target.adapter_id,
             deployment_id=target.deployment_id,
             prompt_tokens=last.prompt_tokens,
             cached_tokens=last.cached_tokens,
@@ -229,7 +315,7 @@ class Gateway:
         try:
             await asyncio.shield(self.publisher.publish(USAGE, record))
         except Exception:
-            log.exception("could not publish usage event %s", request_id)
+            log.exception("could not publish usage event %s", ticket.request_id)
 
 
 class _WorkerFailed(Exception):

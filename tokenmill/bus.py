@@ -47,7 +47,9 @@ DEFAULT_MAXLEN = 100_000
 # Field holding the JSON payload in a Redis stream entry.
 FIELD = b"d"
 
-Event = msgspec.Struct | dict[str, Any]
+# `msgspec.Raw` is JSON that is already encoded: every publisher encodes with `encode`, which
+# passes it through verbatim, so a stored event can be published again as is (the usage spool).
+Event = msgspec.Struct | msgspec.Raw | dict[str, Any]
 Entry = tuple[str, bytes]  # (entry id, raw JSON)
 StreamID = tuple[int, int]  # (milliseconds, sequence), ordered like Redis ids
 

@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from tokenmill.settings import Settings
 if TYPE_CHECKING:
     from litestar import Litestar
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from control_plane.services import EmbedSpec
 
 log = logging.getLogger("tokenmill")
 
@@ -68,7 +70,6 @@ class Parts:
 
 
 def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
-    import httpx
     from litestar import Litestar
     from litestar.di import Provide
     from litestar.openapi import OpenAPIConfig
@@ -83,20 +84,37 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     handlers: list[Any] = []
     dependencies: dict[str, Provide] = {"db_session": Provide(provide_db_session)}
     services: list[Any] = []  # objects with start()/stop()
+    closers: list[Callable[[], Awaitable[None]]] = []
     state: dict[str, Any] = {"settings": settings, "sessionmaker": sessionmaker, "bus": bus}
     consumer = f"{socket.gethostname()}-{os.getpid()}"
 
-    http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0))
     if parts.gateway:
-        from gateway.controllers import OpenAIController, provide_caller
+        from gateway.admission import Admitter
+        from gateway.controllers import OpenAIController
         from gateway.fleet import FleetView
+        from gateway.keys import KeyCache
         from gateway.services import Gateway
+        from gateway.upstream import Upstream
+        from tokenmill.limits import make_limiter
+        from tokenmill.spool import SpoolingPublisher
 
-        fleet = FleetView(bus, timeout=settings.worker_timeout_seconds)
-        services.append(fleet)
-        state["gateway"] = Gateway(settings, sessionmaker=sessionmaker, fleet=fleet, publisher=bus, http=http)
-        dependencies["gateway"] = Provide(lambda: state["gateway"], sync_to_thread=False)
-        dependencies["caller"] = Provide(provide_caller, sync_to_thread=False)
+        fleet = FleetView(bus, timeout=settings.worker_timeout_seconds, routing=settings.routing)
+        keys = KeyCache(settings, bus, sessionmaker)
+        limiter = make_limiter(settings)
+        # Usage events wait on disk while the bus is unreachable, and are replayed in order.
+        usage = SpoolingPublisher(bus, settings.spool_path)
+        services += [fleet, keys, usage]
+        upstream = Upstream()  # keep-alive connections to the workers
+        closers += [limiter.close, upstream.aclose]
+        state["gateway"] = Gateway(
+            settings,
+            sessionmaker=sessionmaker,
+            fleet=fleet,
+            keys=keys,
+            admitter=Admitter(limiter, sessionmaker),
+            publisher=usage,
+            upstream=upstream,
+        )
         handlers.append(OpenAIController)
     if parts.admin:
         from control_plane.controllers import AdminController
@@ -122,7 +140,8 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         finally:
             for service in reversed(services):
                 await service.stop()
-            await http.aclose()
+            for close in closers:
+                await close()
             await bus.close()
             await engine.dispose()
 
@@ -212,13 +231,20 @@ def main() -> None:
 @click.option("--host", help="Listen address [env TOKENMILL_HOST, default 127.0.0.1].")
 @click.option("--port", type=int, help="Listen port [env TOKENMILL_PORT, default 8000].")
 @click.option("--model", help="Model to serve [env TOKENMILL_MODEL, default the bundled SmolLM2].")
-@click.option("--no-worker", is_flag=True, help="Do not start a local worker.")
-def serve(host: str | None, port: int | None, model: str | None, no_worker: bool) -> None:
-    """Run everything in one process: gateway, admin API, bus, billing and one local worker.
+@click.option(
+    "--embed-model",
+    help="Embedding model to serve; '' for none [env TOKENMILL_EMBED_MODEL, default the bundled MiniLM].",
+)
+@click.option("--no-worker", is_flag=True, help="Do not start local workers.")
+def serve(
+    host: str | None, port: int | None, model: str | None, embed_model: str | None, no_worker: bool
+) -> None:
+    """Run everything in one process: gateway, admin API, bus, billing and local workers (one
+    for the chat model, one for the embedding model).
 
     State (SQLite database, converted models, secrets) lives under TOKENMILL_HOME.
     """
-    settings = _settings(host=host, port=port, model=model)
+    settings = _settings(host=host, port=port, model=model, embed_model=embed_model)
     if no_worker:
         settings.spawn_worker = False
     settings.ensure_secrets()
@@ -242,6 +268,7 @@ async def _serve(settings: Settings) -> None:
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     context_length = Tokenizer.from_dir(model_dir).context_length or 2048
+    embed = await _embed_spec(settings) if settings.embed_model else None
     await _migrate(settings)
     engine = make_engine(settings.db_url)
     boot = await bootstrap(
@@ -252,6 +279,7 @@ async def _serve(settings: Settings) -> None:
         model_format="gguf" if settings.model.endswith((".gguf", "smollm2")) else "hf",
         context_length=context_length,
         sampling=sampling_defaults(settings.model, model_dir),
+        embed=embed,
     )
     url = f"http://{settings.host}:{settings.port}"
     parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
@@ -267,17 +295,38 @@ async def _serve(settings: Settings) -> None:
     )
     if settings.spawn_worker:
         provider.start(boot.deployment.id, settings.model)
+        if boot.embed_deployment is not None:
+            provider.start(boot.embed_deployment.id, settings.embed_model)
     if boot.admin_secret:
         click.echo(
             "\nCreated organisation 'default' and an admin API key. It is shown only once; keep it:\n\n"
             f"{boot.admin_secret}\n"
         )
-    click.echo(f"Tokenmill {__version__} serving {boot.model.name} on {url}  (OpenAI base URL: {url}/v1)")
+    served = boot.model.name + (f" and {boot.embed_model.name}" if boot.embed_model else "")
+    click.echo(f"Tokenmill {__version__} serving {served} on {url}  (OpenAI base URL: {url}/v1)")
     try:
         await _serve_app(app, sock, settings, before_exit=provider.stop_all)
     finally:
         await asyncio.to_thread(provider.stop_all)  # no-op unless serving failed
         click.echo("Tokenmill stopped.", err=True)
+
+
+async def _embed_spec(settings: Settings) -> EmbedSpec:
+    """The embedding model's catalogue entry; a bad TOKENMILL_EMBED_MODEL stops `serve` at once
+    rather than leaving a worker that dies after the server said it was ready."""
+    from control_plane.services import EmbedSpec
+    from tokenmill.modelstore import model_name, resolve_model
+    from tokenmill.tokenization import Tokenizer
+
+    source = settings.embed_model
+    try:
+        model_dir = await asyncio.to_thread(resolve_model, source, settings.cache_dir)
+        context_length = Tokenizer.from_dir(model_dir).context_length
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(f"embedding model: {exc} (set TOKENMILL_EMBED_MODEL= to serve none)")
+        raise
+    # Only what the encoder's position table holds; the gateway refuses longer inputs.
+    return EmbedSpec(name=model_name(source), source=source, context_length=context_length or 512)
 
 
 @main.command()
@@ -287,7 +336,7 @@ def gateway(host: str | None, port: int | None) -> None:
     """Run a gateway replica (production: needs DATABASE_URL and REDIS_URL)."""
     settings = _settings(host=host, port=port)
     _require_production(settings)
-    _run_server(settings, Parts(gateway=True))
+    _run_server(settings, Parts(gateway=True), uvloop=True)
 
 
 @main.command("control-plane")
@@ -311,7 +360,9 @@ def _require_production(settings: Settings) -> None:
         _fail(f"set {', '.join(missing)} (or use `tokenmill serve` for the all-in-one server)", 2)
 
 
-def _run_server(settings: Settings, parts: Parts) -> None:
+def _run_server(settings: Settings, parts: Parts, *, uvloop: bool = False) -> None:
+    """Serve `parts` until stopped; on uvloop when asked and installed (a gateway spends
+    much of each request in the event loop and its transports, which uvloop runs in C)."""
     from tokenmill.db import make_engine
 
     async def run() -> None:
@@ -319,12 +370,22 @@ def _run_server(settings: Settings, parts: Parts) -> None:
         app = create_app(settings, make_engine(settings.db_url), parts)
         await _serve_app(app, sock, settings)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+    loop_factory = None
+    if uvloop:
+        try:
+            from uvloop import new_event_loop as loop_factory
+        except ImportError:
+            log.info("uvloop is not installed; serving on the standard asyncio loop")
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run())
 
 
 @main.command()
-@click.option("--model", help="Model source: bundled:smollm2, an HF directory or a .gguf file.")
+@click.option(
+    "--model",
+    help="Model source: bundled:smollm2, bundled:minilm (embeddings), an HF directory or a .gguf file; "
+    "an embedding model (sentence-transformers/BERT) makes an embed worker.",
+)
 @click.option("--deployment", "deployment_id", help="Deployment id this worker serves.")
 @click.option("--host", help="Listen address [env TOKENMILL_WORKER_HOST].")
 @click.option("--port", type=int, help="Listen port; 0 picks a free one [env TOKENMILL_WORKER_PORT].")
@@ -472,6 +533,35 @@ def revoke_key(key: str) -> None:
 
     revoked = _admin_run(lambda s, _: ApiKeyService(session=s).revoke(key))
     click.echo(f"revoked {revoked.id} ({revoked.prefix}...)")
+    _announce_key_change(revoked.prefix)
+
+
+def _announce_key_change(prefix: str) -> None:
+    """Tell running gateways to drop their cached record of a key (they also re-read it
+    within 30 s on their own). Without Redis, that is the embedded server's bus."""
+    from tokenmill.bus import HttpPublisher, RedisBus
+    from tokenmill.net import http_address
+    from tokenmill.protocol import KEYS, KeysChanged
+
+    settings = _settings()
+    if not settings.redis_url:
+        settings.ensure_secrets()
+
+    async def publish() -> None:
+        if settings.redis_url:
+            publisher: Any = RedisBus.from_url(settings.redis_url)
+        else:
+            url = settings.bus_url or f"{http_address(settings.host, settings.port)}/internal/bus"
+            publisher = HttpPublisher(url, settings.internal_token or "")
+        try:
+            await publisher.publish(KEYS, KeysChanged(prefix=prefix))
+        finally:
+            await publisher.close()
+
+    try:
+        asyncio.run(publish())
+    except Exception as exc:
+        click.echo(f"note: no running gateway was told ({exc}); gateways re-read keys within 30 s", err=True)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ def _validation(_: Request, exc: ValidationException) -> Response:
     if extra and isinstance(extra[0], dict):
         message = str(extra[0].get("message") or message)
         param = extra[0].get("key") or None
+        if param == "data" and message == "'data'":
+            # An empty body: Litestar reports the KeyError of the missing value, "'data'".
+            message = "The request body is empty; send a JSON object."
+            return Response(error_body(message, "invalid_request_error", None, None), status_code=400)
     if param in (None, "data"):  # the body as a whole: name the field msgspec complained of
         found = _FIELD.search(message)
         param = found.group(1) if found else None

@@ -20,10 +20,18 @@ large" rather than "retry later" check `cost > burst` themselves before calling.
 `acquire_many` checks several limits (requests/min and tokens/min of a key, say) in one
 atomic step: either all are charged or none is, so a request refused on tokens does not
 burn a request slot, and it is one round trip to Redis.
+
+`admit` is the gateway's admission step: rate limits, concurrency slots and a budget hold
+in one atomic step (one round trip). A budget is a spend counter in integer units (the
+gateway uses nano-dollars) plus the holds of requests in flight; a hold reserves a
+request's worst-case cost so that concurrent requests cannot overshoot a hard cap, and
+`settle` replaces it by the actual cost. The counter is seeded by the caller (from the
+ledger) the first time it is missing: `admit` then changes nothing and says so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import time
@@ -35,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from tokenmill.resp import RespClient
     from tokenmill.settings import Settings
 
 # Floor of a remaining count computed from floats: 9.9999999 units are 10 units.
@@ -77,6 +86,42 @@ class Limit:
             raise ValueError(f"cost must not be negative (cost={self.cost})")
 
 
+@dataclass(slots=True)
+class Slot:
+    """One of `limit` concurrent slots under `key`; each expires after `ttl` seconds on its own."""
+
+    key: str
+    limit: int
+    ttl: float = 600.0
+
+
+@dataclass(slots=True)
+class Hold:
+    """Reserve `amount` units of the spend counter `key` for request `id` until settled.
+
+    Refused when spent + held + amount would exceed `cap`; `cap=None` never refuses (a
+    soft budget still counts). A hold not settled within `ttl` seconds lapses (a crashed
+    gateway must not block an organisation forever).
+    """
+
+    key: str
+    id: str
+    amount: int
+    cap: int | None = None
+    ttl: float = 3600.0
+
+
+@dataclass(slots=True)
+class Admission:
+    allowed: bool
+    limits: list[Decision]
+    slots: list[bool]  # per slot: whether it had room
+    budget_ok: bool = True
+    spent: int = 0  # settled spend on the counter
+    held: int = 0  # outstanding holds, this request's included when admitted
+    seeded: bool = True  # False: the counter is missing; nothing changed, seed and retry
+
+
 def _remaining(limit: Limit, tat: float, now: float) -> int:
     units = (limit.capacity * limit.interval - (tat - now)) / limit.interval
     return max(0, math.floor(units + _EPS))
@@ -111,7 +156,6 @@ class RateLimiter(ABC):
         """Take `cost` units from `key`'s bucket (`rate` per `period`, capacity `burst`, default `rate`)."""
         return (await self.acquire_many([Limit(key, rate, period, burst, cost)]))[0]
 
-    @abstractmethod
     async def acquire_many(self, limits: Sequence[Limit]) -> list[Decision]:
         """Check several limits atomically: all are charged, or none (then nothing changes).
 
@@ -120,6 +164,7 @@ class RateLimiter(ABC):
         ones carry their `retry_after`. Overall success is `all(d.allowed for d in result)`.
         On Redis Cluster the keys must share a hash slot (use a `{hash tag}`).
         """
+        return (await self.admit(limits)).limits
 
     @abstractmethod
     async def refund(
@@ -130,17 +175,56 @@ class RateLimiter(ABC):
         The bucket never goes above its capacity.
         """
 
-    @abstractmethod
     async def acquire_concurrency(self, key: str, limit: int, *, ttl: float = 600) -> bool:
         """Take one of `limit` concurrent slots; False when all are taken.
 
         Each slot expires after `ttl` seconds on its own, so slots held by a crashed
         gateway come back even under steady traffic.
         """
+        return (await self.admit([], [Slot(key, limit, ttl)])).allowed
 
     @abstractmethod
     async def release_concurrency(self, key: str) -> None:
         """Give back one slot taken with `acquire_concurrency`."""
+
+    @abstractmethod
+    async def admit(
+        self, limits: Sequence[Limit], slots: Sequence[Slot] = (), hold: Hold | None = None
+    ) -> Admission:
+        """Charge every limit, take every slot and place the hold, atomically, or do nothing.
+
+        When the hold's counter does not exist yet, nothing changes and the result has
+        `seeded=False`: call `seed` and try again.
+        """
+
+    @abstractmethod
+    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
+        """Drop a hold and add the actual cost. Returns the new spend, or None when the
+        counter is gone (its next seed reads the ledger, which will hold this request)."""
+
+    @abstractmethod
+    async def seed(self, key: str, amount: int, ttl: float) -> bool:
+        """Create the spend counter unless it exists. True when this call created it."""
+
+    async def release_slots(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:
+            await self.release_concurrency(slot.key)
+
+    async def finish(
+        self,
+        refunds: Sequence[Limit] = (),
+        slots: Sequence[Slot] = (),
+        hold: tuple[str, str, int] | None = None,
+    ) -> int | None:
+        """Everything a request gives back when it ends, in one step (one round trip on
+        Redis): `refund` each limit's `cost` units, release the slots, and `settle` the hold
+        `(key, hold id, actual)`. Returns what `settle` returns (None without a hold)."""
+        for limit in refunds:
+            await self.refund(
+                limit.key, rate=limit.rate, period=limit.period, burst=limit.burst, amount=limit.cost
+            )
+        await self.release_slots(slots)
+        return None if hold is None else await self.settle(*hold)
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to close in memory
         pass
@@ -156,6 +240,8 @@ class MemoryRateLimiter(RateLimiter):
         self._clock = clock
         self._tats: dict[str, float] = {}
         self._slots: dict[str, list[float]] = {}  # key -> expiry time of each held slot
+        self._spent: dict[str, tuple[int, float]] = {}  # key -> (spend, expiry)
+        self._holds: dict[str, dict[str, tuple[int, float]]] = {}  # key -> id -> (amount, expiry)
         self._prune_at = 1024
 
     def _prune(self, now: float) -> None:
@@ -166,21 +252,6 @@ class MemoryRateLimiter(RateLimiter):
         self._tats = {k: t for k, t in self._tats.items() if t > now}
         self._slots = {k: kept for k, v in self._slots.items() if (kept := [e for e in v if e > now])}
         self._prune_at = max(1024, 2 * (len(self._tats) + len(self._slots)))
-
-    async def acquire_many(self, limits: Sequence[Limit]) -> list[Decision]:
-        for limit in limits:
-            limit.validate()
-        now = self._clock()
-        self._prune(now)
-        results = [gcra(limit, self._tats.get(limit.key), now) for limit in limits]
-        if all(d.allowed for d, _ in results):
-            for limit, (_, tat) in zip(limits, results, strict=True):
-                self._tats[limit.key] = tat
-            return [d for d, _ in results]
-        return [
-            d if not d.allowed else _uncharged(limit, self._tats.get(limit.key), now, True)
-            for limit, (d, _) in zip(limits, results, strict=True)
-        ]
 
     async def refund(
         self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, amount: int
@@ -197,16 +268,6 @@ class MemoryRateLimiter(RateLimiter):
         else:
             self._tats[key] = new_tat
 
-    async def acquire_concurrency(self, key: str, limit: int, *, ttl: float = 600) -> bool:
-        now = self._clock()
-        slots = [e for e in self._slots.get(key, ()) if e > now]
-        if len(slots) >= limit:
-            self._slots[key] = slots
-            return False
-        slots.append(now + ttl)
-        self._slots[key] = slots
-        return True
-
     async def release_concurrency(self, key: str) -> None:
         slots = self._slots.get(key)
         if not slots:
@@ -215,6 +276,68 @@ class MemoryRateLimiter(RateLimiter):
         slots.remove(max(slots))
         if not slots:
             del self._slots[key]
+
+    def _counter(self, key: str, now: float) -> int | None:
+        entry = self._spent.get(key)
+        if entry is None or entry[1] <= now:
+            self._spent.pop(key, None)
+            return None
+        return entry[0]
+
+    def _live_holds(self, key: str, now: float) -> dict[str, tuple[int, float]]:
+        holds = {i: h for i, h in self._holds.get(key, {}).items() if h[1] > now}
+        self._holds[key] = holds
+        return holds
+
+    async def admit(
+        self, limits: Sequence[Limit], slots: Sequence[Slot] = (), hold: Hold | None = None
+    ) -> Admission:
+        for limit in limits:
+            limit.validate()
+        now = self._clock()
+        self._prune(now)
+        spent = held = 0
+        budget_ok = True
+        if hold is not None:
+            counter = self._counter(hold.key, now)
+            if counter is None:
+                return Admission(False, [], [], seeded=False)
+            spent = counter
+            held = sum(a for a, _ in self._live_holds(hold.key, now).values())
+            budget_ok = hold.cap is None or spent + held + hold.amount <= hold.cap
+        results = [gcra(limit, self._tats.get(limit.key), now) for limit in limits]
+        room = [sum(1 for e in self._slots.get(s.key, ()) if e > now) < s.limit for s in slots]
+        allowed = budget_ok and all(room) and all(d.allowed for d, _ in results)
+        if not allowed:
+            decisions = [
+                d if not d.allowed else _uncharged(limit, self._tats.get(limit.key), now, True)
+                for limit, (d, _) in zip(limits, results, strict=True)
+            ]
+            return Admission(False, decisions, room, budget_ok, spent, held)
+        for limit, (_, tat) in zip(limits, results, strict=True):
+            self._tats[limit.key] = tat
+        for slot in slots:
+            self._slots[slot.key] = [e for e in self._slots.get(slot.key, ()) if e > now] + [now + slot.ttl]
+        if hold is not None:
+            self._holds[hold.key][hold.id] = (hold.amount, now + hold.ttl)
+            held += hold.amount
+        return Admission(True, [d for d, _ in results], room, True, spent, held)
+
+    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
+        now = self._clock()
+        self._holds.get(key, {}).pop(hold_id, None)
+        counter = self._counter(key, now)
+        if counter is None:
+            return None
+        self._spent[key] = (counter + actual, self._spent[key][1])
+        return counter + actual
+
+    async def seed(self, key: str, amount: int, ttl: float) -> bool:
+        now = self._clock()
+        if self._counter(key, now) is not None:
+            return False
+        self._spent[key] = (amount, now + ttl)
+        return True
 
 
 # --- Redis ------------------------------------------------------------------------------
@@ -234,46 +357,7 @@ local function remaining(interval, burst, tat)
   return units
 end
 
-if op == 'gcra' then
-  -- per key i: ARGV[2+4(i-1)..] = interval, burst, cost, period
-  local out, tats, new_tats, pass = {}, {}, {}, {}
-  local all_ok = true
-  for i = 1, #KEYS do
-    local base = 4 * (i - 1) + 1
-    local interval = tonumber(ARGV[base + 1])
-    local burst = tonumber(ARGV[base + 2])
-    local cost = tonumber(ARGV[base + 3])
-    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-    if tat < now then tat = now end
-    local new_tat = tat + cost * interval
-    local allow_at = new_tat - burst * interval
-    tats[i], new_tats[i] = tat, new_tat
-    pass[i] = cost <= burst and allow_at <= now + EPS * interval
-    if not pass[i] then
-      all_ok = false
-      local retry = allow_at - now
-      if cost > burst then retry = tonumber(ARGV[base + 4]) end
-      out[i] = {0, remaining(interval, burst, tat), math.ceil(retry), math.ceil(tat - now)}
-    end
-  end
-  for i = 1, #KEYS do
-    local base = 4 * (i - 1) + 1
-    local interval = tonumber(ARGV[base + 1])
-    local burst = tonumber(ARGV[base + 2])
-    if all_ok then
-      local reset = new_tats[i] - now
-      -- The key lives exactly as long as the bucket is not full: idle keys vanish.
-      if reset > 0 then
-        redis.call('SET', KEYS[i], new_tats[i], 'PX', math.ceil(reset / 1000) + 1)
-      end
-      out[i] = {1, remaining(interval, burst, new_tats[i]), 0, math.ceil(reset)}
-    elseif pass[i] then
-      out[i] = {1, remaining(interval, burst, tats[i]), 0, math.ceil(tats[i] - now)}
-    end
-  end
-  return out
-
-elseif op == 'refund' then
+if op == 'refund' then
   -- ARGV[2] = interval, ARGV[3] = amount
   local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
   if tat <= now then return 0 end
@@ -285,15 +369,134 @@ elseif op == 'refund' then
   end
   return 1
 
-elseif op == 'cacquire' then
-  -- A sorted set of slots scored by their expiry: each slot expires on its own.
-  -- ARGV[2] = limit, ARGV[3] = ttl, ARGV[4] = member (unique per call)
-  local ttl = tonumber(ARGV[3])
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], math.ceil(ttl / 1000) + 1)
-  return 1
+elseif op == 'admit' then
+  -- ARGV[2..4] = number of limits, of slots, 1 if there is a hold; then 4 args per limit
+  -- (as 'gcra'), 3 per slot (limit, ttl, member), 4 for the hold (id, amount, cap or -1,
+  -- ttl). KEYS = the limits' keys, the slots' keys, then the spend counter and its holds.
+  local nl, ns, nh = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  local a = 5
+  local budget = {1, 0, 0}
+  local all_ok = true
+  if nh == 1 then
+    local sk, hk = KEYS[nl + ns + 1], KEYS[nl + ns + 2]
+    local spent = redis.call('GET', sk)
+    if not spent then return {-1} end
+    local b = a + 4 * nl + 3 * ns
+    local amount, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+    local held = 0
+    local holds = redis.call('HGETALL', hk)
+    for i = 1, #holds, 2 do
+      local amt, exp = string.match(holds[i + 1], '^(%-?%d+):(%d+)$')
+      if amt == nil or tonumber(exp) <= now then
+        redis.call('HDEL', hk, holds[i])
+      else
+        held = held + tonumber(amt)
+      end
+    end
+    spent = tonumber(spent)
+    local ok = 1
+    if cap >= 0 and spent + held + amount > cap then ok = 0; all_ok = false end
+    budget = {ok, spent, held}
+  end
+  local params, tats, new_tats, pass, rows = {}, {}, {}, {}, {}
+  for i = 1, nl do
+    local interval, burst = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    local cost, period = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    a = a + 4
+    params[i] = {interval, burst}
+    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+    if tat < now then tat = now end
+    local new_tat = tat + cost * interval
+    local allow_at = new_tat - burst * interval
+    tats[i], new_tats[i] = tat, new_tat
+    pass[i] = cost <= burst and allow_at <= now + EPS * interval
+    if not pass[i] then
+      all_ok = false
+      local retry = allow_at - now
+      if cost > burst then retry = period end
+      rows[i] = {0, remaining(interval, burst, tat), math.ceil(retry), math.ceil(tat - now)}
+    end
+  end
+  local room, members = {}, {}
+  for j = 1, ns do
+    local k = KEYS[nl + j]
+    local lim, ttl = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    members[j] = {ARGV[a + 2], ttl}
+    a = a + 3
+    redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
+    room[j] = 1
+    if redis.call('ZCARD', k) >= lim then room[j] = 0; all_ok = false end
+  end
+  for i = 1, nl do
+    local interval, burst = params[i][1], params[i][2]
+    if all_ok then
+      local reset = new_tats[i] - now
+      if reset > 0 then
+        redis.call('SET', KEYS[i], new_tats[i], 'PX', math.ceil(reset / 1000) + 1)
+      end
+      rows[i] = {1, remaining(interval, burst, new_tats[i]), 0, math.ceil(reset)}
+    elseif pass[i] then
+      rows[i] = {1, remaining(interval, burst, tats[i]), 0, math.ceil(tats[i] - now)}
+    end
+  end
+  if all_ok then
+    for j = 1, ns do
+      local ttl = members[j][2]
+      redis.call('ZADD', KEYS[nl + j], now + ttl, members[j][1])
+      redis.call('PEXPIRE', KEYS[nl + j], math.ceil(ttl / 1000) + 1)
+    end
+    if nh == 1 then
+      local hk = KEYS[nl + ns + 2]
+      local b = 5 + 4 * nl + 3 * ns
+      local ttl = tonumber(ARGV[b + 3])
+      redis.call('HSET', hk, ARGV[b], ARGV[b + 1] .. ':' .. string.format('%d', now + ttl))
+      if redis.call('PTTL', hk) < math.ceil(ttl / 1000) + 1 then
+        redis.call('PEXPIRE', hk, math.ceil(ttl / 1000) + 1)
+      end
+      budget[3] = budget[3] + tonumber(ARGV[b + 1])
+    end
+  end
+  local ok_all = 0
+  if all_ok then ok_all = 1 end
+  return {ok_all, rows, room, budget}
+
+elseif op == 'settle' then
+  -- KEYS = spend counter, holds; ARGV[2] = hold id, ARGV[3] = actual
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+  return redis.call('INCRBY', KEYS[1], ARGV[3])
+
+elseif op == 'finish' then
+  -- 'refund' of each rate key, 'crelease' of each slot key and 'settle' of the hold, in
+  -- one call. ARGV[2..4] = number of refunds, of slots, 1 if there is a hold; then 2 args
+  -- per refund (interval, amount) and 2 for the hold (id, actual). KEYS = the refunds'
+  -- keys, the slots' keys, then the spend counter and its holds. Returns the new spend,
+  -- -1 when the counter is gone, -2 without a hold.
+  local nr, ns, nh = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  for i = 1, nr do
+    local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
+    if tat > now then
+      local new_tat = tat - tonumber(ARGV[3 + 2 * i]) * tonumber(ARGV[4 + 2 * i])
+      if new_tat <= now then
+        redis.call('DEL', KEYS[i])
+      else
+        redis.call('SET', KEYS[i], new_tat, 'PX', math.ceil((new_tat - now) / 1000) + 1)
+      end
+    end
+  end
+  for j = 1, ns do
+    redis.call('ZPOPMAX', KEYS[nr + j])
+  end
+  if nh == 0 then return -2 end
+  local a = 5 + 2 * nr
+  redis.call('HDEL', KEYS[nr + ns + 2], ARGV[a])
+  if redis.call('EXISTS', KEYS[nr + ns + 1]) == 0 then return -1 end
+  return redis.call('INCRBY', KEYS[nr + ns + 1], ARGV[a + 1])
+
+elseif op == 'seed' then
+  -- ARGV[2] = amount, ARGV[3] = ttl in ms
+  if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
+  return 0
 
 elseif op == 'crelease' then
   -- Remove the newest slot, not the oldest: releasing the oldest would keep pushing a
@@ -307,38 +510,47 @@ return redis.error_reply('unknown op ' .. tostring(op))
 
 
 class RedisRateLimiter(RateLimiter):
-    """GCRA and concurrency slots in Redis, shared by every gateway replica."""
+    """GCRA and concurrency slots in Redis, shared by every gateway replica.
 
-    def __init__(self, redis: Redis, *, prefix: str = "tm:rl:", owns_client: bool = False):
+    `redis` is a redis-py client or, from `from_url`, the lean `RespClient` (a fraction of
+    the CPU per call, and every request makes one or two): both run the script by its
+    SHA1 and load it when Redis does not know it (first use, or after a restart).
+    """
+
+    def __init__(self, redis: Redis | RespClient, *, prefix: str = "tm:rl:", owns_client: bool = False):
         self._redis = redis
         self._prefix = prefix
         self._owns_client = owns_client
-        self._script = redis.register_script(_LUA)
+        self._sha = hashlib.sha1(_LUA.encode()).hexdigest()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisRateLimiter:
-        from redis.asyncio import Redis
+        from tokenmill.resp import RespClient
 
-        return cls(Redis.from_url(url), owns_client=True, **kwargs)
+        try:
+            client: Redis | RespClient = RespClient.from_url(url)
+        except ValueError:  # a URL only redis-py reads (e.g. sentinel): the general client
+            from redis.asyncio import Redis
+
+            client = Redis.from_url(url)
+        return cls(client, owns_client=True, **kwargs)
+
+    async def _script(self, *, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
+        except Exception as exc:
+            # redis-py raises NoScriptError (its message without the code), RespClient a
+            # ResponseError starting with the code.
+            if type(exc).__name__ != "NoScriptError" and not str(exc).startswith("NOSCRIPT"):
+                raise
+        await self._redis.execute_command("SCRIPT", "LOAD", _LUA)
+        return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
 
     def _rate_key(self, key: str) -> str:
         return f"{self._prefix}r:{key}"
 
     def _slot_key(self, key: str) -> str:
         return f"{self._prefix}c:{key}"
-
-    async def acquire_many(self, limits: Sequence[Limit]) -> list[Decision]:
-        if not limits:
-            return []
-        args: list[Any] = ["gcra"]
-        for limit in limits:
-            limit.validate()
-            args += [limit.interval * 1e6, limit.capacity, limit.cost, limit.period * 1e6]
-        rows = await self._script(keys=[self._rate_key(limit.key) for limit in limits], args=args)
-        return [
-            Decision(bool(ok), limit.capacity, int(remaining), int(reset) / 1e6, int(retry) / 1e6)
-            for limit, (ok, remaining, retry, reset) in zip(limits, rows, strict=True)
-        ]
 
     async def refund(
         self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, amount: int
@@ -348,13 +560,62 @@ class RedisRateLimiter(RateLimiter):
         if amount:
             await self._script(keys=[self._rate_key(key)], args=["refund", limit.interval * 1e6, amount])
 
-    async def acquire_concurrency(self, key: str, limit: int, *, ttl: float = 600) -> bool:
-        member = secrets.token_hex(8)
-        ok = await self._script(keys=[self._slot_key(key)], args=["cacquire", limit, ttl * 1e6, member])
-        return bool(ok)
-
     async def release_concurrency(self, key: str) -> None:
         await self._script(keys=[self._slot_key(key)], args=["crelease"])
+
+    def _budget_keys(self, key: str) -> list[str]:
+        return [f"{self._prefix}b:{key}", f"{self._prefix}h:{key}"]
+
+    async def admit(
+        self, limits: Sequence[Limit], slots: Sequence[Slot] = (), hold: Hold | None = None
+    ) -> Admission:
+        keys = [self._rate_key(limit.key) for limit in limits] + [self._slot_key(s.key) for s in slots]
+        args: list[Any] = ["admit", len(limits), len(slots), 0 if hold is None else 1]
+        for limit in limits:
+            limit.validate()
+            args += [limit.interval * 1e6, limit.capacity, limit.cost, limit.period * 1e6]
+        for slot in slots:
+            args += [slot.limit, slot.ttl * 1e6, secrets.token_hex(8)]
+        if hold is not None:
+            keys += self._budget_keys(hold.key)
+            args += [hold.id, hold.amount, -1 if hold.cap is None else hold.cap, hold.ttl * 1e6]
+        reply = await self._script(keys=keys, args=args)
+        if reply[0] == -1:
+            return Admission(False, [], [], seeded=False)
+        ok, rows, room, (budget_ok, spent, held) = reply
+        decisions = [
+            Decision(bool(allowed), limit.capacity, int(remaining), int(reset) / 1e6, int(retry) / 1e6)
+            for limit, (allowed, remaining, retry, reset) in zip(limits, rows, strict=True)
+        ]
+        return Admission(bool(ok), decisions, [bool(r) for r in room], bool(budget_ok), int(spent), int(held))
+
+    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
+        spent = int(await self._script(keys=self._budget_keys(key), args=["settle", hold_id, actual]))
+        return None if spent < 0 else spent
+
+    async def finish(
+        self,
+        refunds: Sequence[Limit] = (),
+        slots: Sequence[Slot] = (),
+        hold: tuple[str, str, int] | None = None,
+    ) -> int | None:
+        refunds = [limit for limit in refunds if limit.cost]
+        if not (refunds or slots or hold):
+            return None
+        keys = [self._rate_key(limit.key) for limit in refunds] + [self._slot_key(s.key) for s in slots]
+        args: list[Any] = ["finish", len(refunds), len(slots), 0 if hold is None else 1]
+        for limit in refunds:
+            limit.validate()
+            args += [limit.interval * 1e6, limit.cost]
+        if hold is not None:
+            keys += self._budget_keys(hold[0])
+            args += [hold[1], hold[2]]
+        spent = int(await self._script(keys=keys, args=args))
+        return None if spent < 0 else spent
+
+    async def seed(self, key: str, amount: int, ttl: float) -> bool:
+        keys = self._budget_keys(key)[:1]
+        return bool(await self._script(keys=keys, args=["seed", amount, max(1, int(ttl * 1000))]))
 
     async def close(self) -> None:
         if self._owns_client:

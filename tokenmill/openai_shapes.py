@@ -11,6 +11,7 @@ Everything above the last section is free of HTTP; `respond()` is the thin Lites
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import secrets
 import time
@@ -19,7 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 from litestar import Request, Response
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIHeader, OpenAPIMediaType, OpenAPIResponse, Operation, Schema
+from litestar.openapi.spec.enums import OpenAPIType
 from litestar.response import Stream
 
 from tokenmill.errors import APIError
@@ -35,6 +40,12 @@ from tokenmill.openai_types import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+    ErrorResponse,
+    FinishReason,
     PromptTokensDetails,
     Usage,
 )
@@ -78,6 +89,71 @@ def chat_prompt(
     return Prompt(
         ids, sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
     )
+
+
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per request
+
+
+def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer, *, context_length: int) -> list[list[int]]:
+    """Each input as the full sequence the encoder reads (special tokens included)."""
+    raw = [req.input] if isinstance(req.input, str) else req.input
+    if not raw:
+        raise APIError(400, "'input' must not be empty.", param="input")
+    if all(isinstance(x, int) for x in raw):
+        raw = [raw]  # type: ignore[list-item]  # one input given as token ids
+    if len(raw) > MAX_EMBEDDING_INPUTS:
+        raise APIError(400, f"At most {MAX_EMBEDDING_INPUTS} inputs per request.", param="input")
+    if not (all(isinstance(x, str) for x in raw) or all(isinstance(x, list) for x in raw)):
+        raise APIError(
+            400, "'input' must be a string, strings, token ids, or lists of token ids.", param="input"
+        )
+    bare = tok.encode("", add_special_tokens=True)  # what the tokenizer wraps every text in
+    out = []
+    for i, x in enumerate(raw):
+        if isinstance(x, str):
+            if not x:
+                raise APIError(400, f"Input {i} is an empty string.", param="input")
+            ids = tok.encode(x, add_special_tokens=True)
+        else:
+            if not x or any(not 0 <= t < tok.vocab_size for t in x):  # type: ignore[union-attr]
+                raise APIError(
+                    400, f"Input {i} has no tokens or a token id outside the vocabulary.", param="input"
+                )
+            ids = [*bare[:1], *x, *bare[1:]]  # type: ignore[misc]
+        if len(ids) > context_length:
+            raise APIError(
+                400,
+                f"Input {i} has {len(ids)} tokens; this model reads at most {context_length}.",
+                code="context_length_exceeded",
+                param="input",
+            )
+        out.append(ids)
+    return out
+
+
+def embedding_list(
+    req: EmbeddingRequest, model: str, vectors: list[list[float]], prompt_tokens: int
+) -> EmbeddingList:
+    if req.dimensions is not None and vectors and req.dimensions != len(vectors[0]):
+        raise APIError(
+            400,
+            f"The model '{model}' only makes {len(vectors[0])}-dimensional embeddings.",
+            param="dimensions",
+        )
+    data = [
+        Embedding(
+            i,
+            base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+            if req.encoding_format == "base64"
+            else v,
+        )
+        for i, v in enumerate(vectors)
+    ]
+    return EmbeddingList(data, model, EmbeddingUsage(prompt_tokens, prompt_tokens))
 
 
 def completion_prompt(
@@ -180,8 +256,8 @@ class Shape(msgspec.Struct, frozen=True):
     """How one endpoint turns deltas into its objects."""
 
     kind: str  # prefix of the object id: chatcmpl-..., cmpl-...
-    final: Callable[[str, int, str, str, str | None, Usage], msgspec.Struct]
-    chunk: Callable[[str, int, str, str | None, str | None, bool], msgspec.Struct]
+    final: Callable[[str, int, str, str, FinishReason | None, Usage], msgspec.Struct]
+    chunk: Callable[[str, int, str, str | None, FinishReason | None, bool], msgspec.Struct]
     usage_chunk: Callable[[str, int, str, Usage], msgspec.Struct]
 
 
@@ -233,11 +309,11 @@ def usage(d: GenerateDelta) -> Usage:
     )
 
 
-def finish_reason(d: GenerateDelta) -> str | None:
+def finish_reason(d: GenerateDelta) -> FinishReason | None:
     # OpenAI clients know only stop and length; an abort or error still ends the choice.
     if d.finish_reason is None:
         return None
-    return d.finish_reason if d.finish_reason in ("stop", "length") else "stop"
+    return "length" if d.finish_reason == "length" else "stop"
 
 
 async def collect(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> tuple[str, GenerateDelta]:
@@ -289,20 +365,36 @@ async def collect_unless_gone(
     """`collect()`, or None (with `deltas` closed, which aborts the generation) if the
     client disconnects first. `receive` is the ASGI receive callable of a request whose
     body has been read, so the next message it yields can only be the disconnect."""
-    collecting = asyncio.ensure_future(collect(first, deltas))
-    gone = asyncio.ensure_future(_disconnected(receive))
+    # Collected in this task, with one watcher task that cancels it when the client leaves
+    # (cheaper per request than a task for each and `asyncio.wait` on both). The cancellation
+    # can only land inside `collect()`: the watcher runs while this task waits there.
+    task = asyncio.current_task()
+    assert task is not None
     left = False
+
+    async def watch() -> None:
+        nonlocal left
+        with contextlib.suppress(Exception):  # a broken connection is as good as gone
+            await _disconnected(receive)
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await collect(first, deltas)
+    except asyncio.CancelledError:
+        if not left:  # this handler is being cancelled: not ours to swallow
+            raise
+        task.uncancel()
+        return None
+    except Exception:
+        if not left:
+            raise
+        return None  # the generation failed as the client left: nobody hears it now
     finally:
-        gone.cancel()
-        if not collecting.done():  # the client left (or this handler is being cancelled)
-            left = True
-            collecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # nobody hears it now
-                await collecting
+        watcher.cancel()
+        if left:
             await deltas.aclose()
-    return None if left else collecting.result()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -324,15 +416,18 @@ async def respond(
     body: OpenAIRequest,
     model: str,
     start: Callable[[str], AsyncGenerator[GenerateDelta, None]],
+    extra_headers: dict[str, str] | None = None,
 ) -> Response[Any]:
     """Answer `body` from the deltas of `start(request_id)`: one JSON object, or an SSE stream.
 
     `start` gets a fresh request id (also sent as `x-request-id`); closing the iterator
     it returns must stop the generation, which happens when the client goes away.
+    `extra_headers` is read once the first delta is in, so `start` may fill it (the
+    gateway's rate-limit headers).
     """
     shape = shape_of(body)
-    rid = secrets.token_hex(12)
-    request_id, object_id, created = f"req_{rid}", f"{shape.kind}-{rid}", int(time.time())
+    request_id = new_request_id()
+    object_id, created = f"{shape.kind}-{request_id[4:]}", int(time.time())
     headers = {"x-request-id": request_id}
     deltas = start(request_id)
     # Wait for the first delta before answering, so failures before the first token
@@ -342,6 +437,7 @@ async def respond(
     except APIError as exc:
         exc.headers.update(headers)
         raise
+    headers.update(extra_headers or {})
     if not body.stream:
         # Nothing is sent until the end, so watch for the client leaving: then stop the
         # generation instead of finishing it for nobody.
@@ -361,3 +457,90 @@ async def respond(
         media_type="text/event-stream",
         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+# --- OpenAPI: what the document says these endpoints answer --------------------------------
+
+ERRORS: dict[int, str] = {
+    400: "The request is invalid: malformed JSON, a value out of range, an option this server "
+    "does not support, or a prompt that does not fit the model's context.",
+    401: "No API key, or one that is wrong, revoked or expired.",
+    403: "The key may not do this, or its organisation is suspended.",
+    404: "No model by this name that this key may use.",
+    429: "A rate limit or the organisation's budget is exhausted; retry later.",
+    500: "An unexpected server error.",
+    503: "No worker serves the model right now, or it failed before answering; retry shortly.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAI-style error bodies (`tokenmill.errors`) for these statuses, for a handler's `responses=`."""
+    return {
+        s: ResponseSpec(data_container=ErrorResponse, description=ERRORS[s], generate_examples=False)
+        for s in statuses
+    }
+
+
+def completion_responses(final: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+    """`responses=` of a completion endpoint: its object as JSON, and every error it can answer.
+    (`streaming_operation` adds the SSE form of the 200.)"""
+    ok = ResponseSpec(
+        data_container=final,
+        description="The completion; with `stream: true`, a `text/event-stream` of chunks instead.",
+        generate_examples=False,
+    )
+    return {200: ok, **error_responses(400, 401, 403, 404, 429, 500, 503)}
+
+
+def streaming_operation(chunk: type[msgspec.Struct]) -> type[Operation]:
+    """An `operation_class` documenting the other form of the 200: server-sent events whose
+    `data` is a JSON `chunk` (or, when generation fails mid-stream, an error object), ending
+    with `data: [DONE]`. Litestar's response specs hold one media type per status, hence this."""
+    event = Schema(
+        type=OpenAPIType.OBJECT,
+        required=["data"],
+        properties={
+            "data": Schema(
+                any_of=[
+                    Schema(type=OpenAPIType.STRING, const="[DONE]"),
+                    Schema(
+                        type=OpenAPIType.STRING,
+                        content_media_type="application/json",
+                        # Self-contained (no $ref), so it needs nothing registered in components.
+                        content_schema={"anyOf": _inline_schemas(chunk, ErrorResponse)},  # type: ignore[arg-type]
+                    ),
+                ]
+            )
+        },
+        description="One server-sent event.",
+    )
+    request_id = OpenAPIHeader(
+        schema=Schema(type=OpenAPIType.STRING),
+        description="This request's id, as the usage ledger records it.",
+    )
+
+    @dataclass
+    class StreamingOperation(Operation):
+        def __post_init__(self) -> None:
+            ok = (self.responses or {}).get("200")
+            if isinstance(ok, OpenAPIResponse):
+                ok.content = {**(ok.content or {}), "text/event-stream": OpenAPIMediaType(schema=event)}
+                ok.headers = {**(ok.headers or {}), "x-request-id": request_id}
+
+    return StreamingOperation
+
+
+def _inline_schemas(*types: Any) -> list[Any]:
+    """msgspec's JSON schemas of `types` with every `$ref` replaced by its definition."""
+    schemas, defs = msgspec.json.schema_components(types, ref_template="{name}")
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return [inline(s) for s in schemas]

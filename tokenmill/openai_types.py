@@ -7,10 +7,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+# Litestar copies a bound into the OpenAPI document only if the bound is truthy, so every
+# lower bound of 0 vanished and the document allowed what the server refuses (temperature
+# -1). What msgspec's `extra_json_schema["extra"]` holds reaches the document as it is:
+# these repeat the zero bounds there. Keep them in step with the Meta bounds.
+_MIN_0: dict[str, Any] = {"extra": {"minimum": 0}}
+_ABOVE_0: dict[str, Any] = {"extra": {"exclusiveMinimum": 0}}
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, extra_json_schema=_MIN_0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0, extra_json_schema=_MIN_0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+# OpenAI clients know only these; an aborted or failed generation still ends as "stop".
+FinishReason = Literal["stop", "length"]
 
 
 class StreamOptions(msgspec.Struct):
@@ -49,7 +58,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # Not OpenAI's, but what vLLM and others accept; useful to users of open models.
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Probability | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0, extra_json_schema=_ABOVE_0)] | None = None
     ignore_eos: bool = False
 
 
@@ -57,7 +66,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20, extra_json_schema=_MIN_0)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -67,7 +76,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     # msgspec allows one array type per union: a list of strings or of token ids, checked later.
     prompt: str | list[str | int]
     echo: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5, extra_json_schema=_MIN_0)] | None = None
     suffix: str | None = None
 
 
@@ -83,14 +92,14 @@ class Usage(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    role: str = "assistant"
+    role: Literal["assistant"] = "assistant"
     content: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
@@ -100,19 +109,19 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    object: str = "chat.completion"
+    object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
+    role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 
@@ -121,7 +130,7 @@ class ChatCompletionChunk(msgspec.Struct):
     created: int
     model: str
     choices: list[ChunkChoice]
-    object: str = "chat.completion.chunk"
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     system_fingerprint: str | None = None
 
@@ -129,7 +138,7 @@ class ChatCompletionChunk(msgspec.Struct):
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
@@ -138,7 +147,7 @@ class Completion(msgspec.Struct):
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: str = "text_completion"
+    object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
     system_fingerprint: str | None = None
 
@@ -147,9 +156,55 @@ class ModelCard(msgspec.Struct):
     id: str
     created: int
     owned_by: str
-    object: str = "model"
+    object: Literal["model"] = "model"
 
 
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
-    object: str = "list"
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """The body of every error answer (tokenmill.errors builds it), as OpenAI shapes it."""
+
+    error: ErrorDetail
+
+
+# --- embeddings ---------------------------------------------------------------------------
+
+# A text, texts, or already tokenized input (a list of token ids, or lists of them). msgspec
+# allows one array type in a union, so the inner union is checked for sameness afterwards.
+EmbeddingInput = str | list[str | int | list[int]]
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+
+
+class Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32 when asked for
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"

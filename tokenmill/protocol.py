@@ -53,6 +53,23 @@ class GenerateDelta(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class EmbedRequest(msgspec.Struct):
+    """Body of a worker's `/embed` (an embed deployment's worker; JSON in, `EmbedResponse` out).
+
+    Each input is the complete token sequence the model reads, special tokens included:
+    for BERT-style models `Tokenizer.encode(text, add_special_tokens=True)`, i.e. [CLS] … [SEP].
+    Inputs longer than the model's context length are refused (400), never truncated.
+    """
+
+    request_id: str
+    inputs: list[list[int]]
+
+
+class EmbedResponse(msgspec.Struct):
+    embeddings: list[list[float]]  # one per input, in input order
+    prompt_tokens: int  # tokens of all inputs, special tokens included
+
+
 # --- bus events -------------------------------------------------------------------------
 
 
@@ -121,5 +138,9 @@ class UsageRecord(msgspec.Struct, omit_defaults=True):
     ts: float = 0.0
 
 
-class KeyRevoked(msgspec.Struct):
-    prefix: str
+class KeysChanged(msgspec.Struct, omit_defaults=True):
+    """Drop cached key records: one key (revoked, changed) or all of an organisation's
+    (suspended, plan changed). Gateways tail KEYS and evict at once."""
+
+    prefix: str | None = None
+    org_id: str | None = None

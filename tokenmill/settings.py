@@ -11,6 +11,7 @@ import os
 import secrets
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,7 +44,15 @@ class Settings(BaseSettings):
         default=None, description="Internal bus endpoint a worker publishes to when there is no Redis."
     )
     model: str = Field(default=BUNDLED_MODEL, description="Model the embedded server serves.")
+    embed_model: str = Field(
+        default=BUNDLED_EMBED_MODEL,
+        description="Embedding model the embedded server serves with a second local worker; empty = none.",
+    )
     model_cache: Path | None = Field(default=None, description="Converted model cache; default HOME/models.")
+    spool_dir: Path | None = Field(
+        default=None,
+        description="Where usage events wait while the bus is unreachable; default HOME/spool.",
+    )
     spawn_worker: bool = Field(default=True, description="Whether `serve` starts a local worker.")
     worker_host: str = Field(default="127.0.0.1", description="Address a worker listens on.")
     worker_port: int = Field(default=0, description="Port a worker listens on; 0 picks a free one.")
@@ -54,6 +63,11 @@ class Settings(BaseSettings):
     worker_timeout_seconds: float = Field(
         default=3.0, description="A worker without a heartbeat for this long is not routed to."
     )
+    routing: Literal["prefix", "round_robin", "least_loaded"] = Field(
+        default="prefix",
+        description="How a gateway picks a worker: `prefix` (longest cached prompt prefix, unless "
+        "that worker is much busier), `round_robin` or `least_loaded`.",
+    )
     torch_threads: int | None = Field(default=None, description="torch intra-op threads on a worker.")
     block_size: int = Field(default=16, description="Tokens per KV cache block (workers and the router).")
     max_num_seqs: int = Field(default=64, description="Most sequences a worker runs at once.")
@@ -62,6 +76,16 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
     attention_backend: str | None = Field(
         default=None, description="`torch` or `triton`; default: Triton on CUDA, PyTorch on CPU."
+    )
+    default_requests_per_minute: int = Field(
+        default=600, description="Requests a minute of an organisation without a plan; 0 = no limit."
+    )
+    default_tokens_per_minute: int = Field(
+        default=1_000_000,
+        description="Tokens a minute (prompt + max_tokens) of an organisation without a plan; 0 = no limit.",
+    )
+    default_max_concurrent: int = Field(
+        default=64, description="Concurrent requests of an organisation without a plan; 0 = no limit."
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 
@@ -80,8 +104,8 @@ class Settings(BaseSettings):
         return (self.model_cache or self.home_dir / "models").expanduser()
 
     @property
-    def spool_dir(self) -> Path:
-        return self.home_dir / "spool"
+    def spool_path(self) -> Path:
+        return (self.spool_dir or self.home_dir / "spool").expanduser()
 
     def ensure_secrets(self) -> None:
         """Fill unset secrets from HOME/secrets.json, generating them on first start.

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from tokenmill.bus import Entry, EventBus
 
@@ -24,15 +25,45 @@ class Background(ABC):
         self._task = asyncio.create_task(self.run(), name=self.name)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is None:
+            return
+        # Cancel until it takes: redis-py (8.x, Python 3.11) can swallow a cancellation
+        # that lands as a command completes, and the loop would then run on for ever.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended with an error", self.name, exc_info=task.exception())
 
     @abstractmethod
     async def run(self) -> None:
         """The loop; cancelled by `stop()`."""
+
+
+async def tail(bus: EventBus, stream: str, apply: Callable[[bytes], None], *, name: str) -> None:
+    """Apply every entry published to `stream` from now on, for ever (every replica sees all).
+
+    Survives a bus outage. A Redis restarted without persistence has lost the stream, but
+    new entries get time-based ids above the one we wait past, so reading goes on as before.
+    """
+    after: str | None = None
+    while True:
+        try:
+            if after is None:
+                after = await bus.last_id(stream)
+            entries = await bus.read(stream, after, block=1.0)
+            for entry_id, raw in entries:
+                after = entry_id
+                try:
+                    apply(raw)
+                except Exception:
+                    log.exception("%s: dropping an entry of %s it cannot apply", name, stream)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("%s: reading %s failed (%s); retrying", name, stream, exc)
+            await asyncio.sleep(1.0)
 
 
 class GroupConsumer(Background):

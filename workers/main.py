@@ -3,6 +3,10 @@
 `tokenmill worker` calls `run_worker`. The worker announces itself on the bus, sends a
 heartbeat every `heartbeat_seconds`, drains on SIGTERM/SIGINT (no new connections,
 in-flight streams finish) and says goodbye. It never talks to the database.
+
+The model decides the kind of worker: a generative model runs on the engine (and its
+prefix-cache changes go out as KV events); an embedding model (a sentence-transformers or
+BERT directory, e.g. `bundled:minilm`) runs on the batched encoder and serves /embed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
@@ -28,7 +33,11 @@ from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
 from tokenmill.net import bind, http_address
 from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce, WorkerDeparture
 from tokenmill.settings import Settings
-from workers.server import Generator, WorkerInfo, create_app
+from workers.server import Generator, Load, WorkerInfo, create_app
+
+if TYPE_CHECKING:
+    from workers.encoder import EmbedBatcher
+    from workers.generator import EngineGenerator
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +120,9 @@ def run_worker(
         raise _Stop
 
     previous = {sig: signal.signal(sig, stop_loading) for sig in (signal.SIGTERM, signal.SIGINT)}
+    generator: EngineGenerator | None = None
+    embedder: EmbedBatcher | None = None
+    backend: EngineGenerator | EmbedBatcher
     try:
         name = model_name(model)
         model_dir = resolve_model(model, settings.cache_dir)
@@ -118,22 +130,30 @@ def run_worker(
 
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        from workers.engine import EngineConfig
-        from workers.generator import EngineGenerator
+        from workers.encoder import is_embedding_model
 
         started = time.perf_counter()
-        generator = EngineGenerator(
-            EngineConfig(
-                model=str(model_dir),
-                block_size=settings.block_size,
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                kv_cache_gib=settings.kv_cache_gib,
-                enable_prefix_caching=settings.prefix_caching,
-                attention_backend=settings.attention_backend,
+        if is_embedding_model(model_dir):
+            from workers.encoder import EmbedBatcher, Encoder
+
+            backend = embedder = EmbedBatcher(Encoder(model_dir))
+        else:
+            from workers.engine import EngineConfig
+            from workers.generator import EngineGenerator
+
+            backend = generator = EngineGenerator(
+                EngineConfig(
+                    model=str(model_dir),
+                    block_size=settings.block_size,
+                    max_num_seqs=settings.max_num_seqs,
+                    max_num_batched_tokens=settings.max_num_batched_tokens,
+                    kv_cache_gib=settings.kv_cache_gib,
+                    enable_prefix_caching=settings.prefix_caching,
+                    attention_backend=settings.attention_backend,
+                )
             )
-        )
-        log.info("loaded %s from %s in %.1fs", name, model_dir, time.perf_counter() - started)
+        kind = "embed" if embedder is not None else "generate"
+        log.info("loaded %s (%s) from %s in %.1fs", name, kind, model_dir, time.perf_counter() - started)
     except _Stop:
         log.info("stopped while loading")
         sock.close()
@@ -149,12 +169,13 @@ def run_worker(
     identity = _Identity(worker_id, deployment_id, http_address(host, bound_port), name)
     app = create_app(
         generator,
+        embedder=embedder,
         token=token,
         info=WorkerInfo(
             worker_id=worker_id,
             model=name,
             deployment_id=deployment_id,
-            sampling=sampling_defaults(model, model_dir),
+            sampling=sampling_defaults(model, model_dir) if generator is not None else {},
         ),
     )
     config = uvicorn.Config(
@@ -171,12 +192,13 @@ def run_worker(
                 publisher,
                 settings,
                 identity,
+                backend,
                 generator,
                 parent_pid if exit_with_parent else None,
             )
         )
     finally:
-        generator.close()
+        backend.close()
         sock.close()
 
 
@@ -186,9 +208,11 @@ async def _serve(
     publisher: Publisher,
     settings: Settings,
     identity: _Identity,
-    generator: Generator,
+    load: Load,
+    generator: Generator | None,
     parent_pid: int | None,
 ) -> int:
+    """Serve until told to stop; `generator` is None on an embed worker (no KV events)."""
     loop = asyncio.get_running_loop()
     draining = asyncio.Event()
 
@@ -213,10 +237,9 @@ async def _serve(
     print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
     sys.stderr.flush()
 
-    tasks = [
-        asyncio.create_task(_beat(publisher, settings, identity, generator, draining)),
-        asyncio.create_task(_publish_kv(publisher, settings, identity, generator)),
-    ]
+    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, draining))]
+    if generator is not None:
+        tasks.append(asyncio.create_task(_publish_kv(publisher, settings, identity, generator)))
     if parent_pid is not None:
         tasks.append(asyncio.create_task(_watch_parent(parent_pid, server, draining)))
     try:
@@ -261,7 +284,7 @@ async def _beat(
     publisher: Publisher,
     settings: Settings,
     identity: _Identity,
-    generator: Generator,
+    load: Load,
     draining: asyncio.Event,
 ) -> None:
     announced = False
@@ -284,9 +307,9 @@ async def _beat(
                 deployment_id=identity.deployment_id,
                 address=identity.address,
                 model=identity.model,
-                running=generator.running,
-                waiting=generator.waiting,
-                kv_usage=generator.kv_usage,
+                running=load.running,
+                waiting=load.waiting,
+                kv_usage=load.kv_usage,
                 adapters=[],
                 draining=was_draining,
                 ts=time.time(),

@@ -1,6 +1,9 @@
 """The worker's HTTP API: /generate (NDJSON stream), /health, /metrics, and OpenAI's
 /v1/chat/completions and /v1/completions so that one worker is usable on its own.
 
+A worker of an embed deployment serves /embed (JSON in, JSON out) instead of the
+generation endpoints; each kind answers the other's endpoints with a 400 that says so.
+
 Every endpoint requires the internal token, so nothing inside the network can reach a
 model while bypassing the gateway's keys, limits and metering.
 """
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody
 from litestar.response import Stream
 from prometheus_client import (
@@ -32,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily
 from tokenmill.errors import APIError, exception_handlers
 from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, model_not_found, respond
 from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest
-from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
+from tokenmill.protocol import EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, KvOp
 from tokenmill.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,8 @@ _E2E_BUCKETS = (
 )  # fmt: skip
 
 
-class Generator(Protocol):
-    """What the server needs from a generator (the engine's, or a test's fake)."""
+class Load(Protocol):
+    """What heartbeats and the load gauges read, from either kind of worker."""
 
     @property
     def running(self) -> int: ...
@@ -64,6 +68,10 @@ class Generator(Protocol):
 
     @property
     def kv_usage(self) -> float: ...
+
+
+class Generator(Load, Protocol):
+    """What the server needs from a generator (the engine's, or a test's fake)."""
 
     @property
     def prefix_cache_queries(self) -> int: ...
@@ -83,6 +91,14 @@ class Generator(Protocol):
     def drain_kv_events(self) -> list[KvOp]: ...
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
+
+
+class Embedder(Load, Protocol):
+    """What the server needs from an embedding model (workers.encoder.EmbedBatcher)."""
+
+    def validate(self, req: EmbedRequest) -> None: ...
+
+    async def embed(self, req: EmbedRequest) -> EmbedResponse: ...
 
 
 @dataclass(slots=True)
@@ -134,27 +150,28 @@ class _Metrics:
     success: Counter
 
     @classmethod
-    def create(cls, generator: Generator, model: str) -> _Metrics:
+    def create(cls, load: Load, model: str, generator: Generator | None) -> _Metrics:
         # A registry per app: several apps (tests, or future multi-model workers) in one
         # process must not collide in prometheus_client's global registry.
         registry = CollectorRegistry()
         labels = ["model_name"]
-        running = Gauge("vllm:num_requests_running", "Requests being generated.", labels, registry=registry)
-        running.labels(model).set_function(lambda: generator.running)
+        running = Gauge("vllm:num_requests_running", "Requests being run.", labels, registry=registry)
+        running.labels(model).set_function(lambda: load.running)
         waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to start.", labels, registry=registry)
-        waiting.labels(model).set_function(lambda: generator.waiting)
-        kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels, registry=registry)
-        kv.labels(model).set_function(lambda: generator.kv_usage)
-        # Counters that the engine owns; exported as they are (vLLM's names, `_total` added).
-        for name, attr, doc in (
-            (
-                "vllm:prefix_cache_queries",
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-            ),
-            ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-        ):
-            _EngineCounter(name, doc, model, lambda a=attr: getattr(generator, a), registry)
+        waiting.labels(model).set_function(lambda: load.waiting)
+        if generator is not None:  # an encoder has no KV cache to report
+            kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels, registry=registry)
+            kv.labels(model).set_function(lambda: generator.kv_usage)
+            # Counters that the engine owns; exported as they are (vLLM's names, `_total` added).
+            for name, attr, doc in (
+                (
+                    "vllm:prefix_cache_queries",
+                    "prefix_cache_queries",
+                    "Prompt tokens looked up in the prefix cache.",
+                ),
+                ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            ):
+                _EngineCounter(name, doc, model, lambda a=attr: getattr(generator, a), registry)
         return cls(
             registry=registry,
             prompt_tokens=Counter(
@@ -193,13 +210,17 @@ class _Metrics:
         )
 
 
-def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litestar:
+def create_app(
+    generator: Generator | None = None,
+    *,
+    token: str,
+    info: WorkerInfo,
+    embedder: Embedder | None = None,
+) -> Litestar:
+    """The app of a generate worker (`generator`) or of an embed worker (`embedder`)."""
     if not token:
         raise ValueError("the worker needs an internal token")
     expected = token.encode()
-    metrics = _Metrics.create(generator, info.model)
-    encoder = msgspec.json.Encoder()
-    decoder = msgspec.json.Decoder(GenerateRequest)
 
     async def check_token(request: Request[Any, Any, Any]) -> Response[dict[str, Any]] | None:
         header = request.headers.get("authorization", "")
@@ -207,6 +228,97 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
         if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), expected):
             return error_response(401, "invalid or missing internal token", code="invalid_internal_token")
         return None
+
+    load: Load
+    if generator is not None and embedder is None:
+        load, kind = generator, "generate"
+        metrics = _Metrics.create(load, info.model, generator)
+        handlers = _generation_routes(generator, info, metrics)
+        handlers.append(
+            _refusal("/embed", f"this worker serves the generative model '{info.model}', not embeddings")
+        )
+    elif embedder is not None and generator is None:
+        load, kind = embedder, "embed"
+        metrics = _Metrics.create(load, info.model, None)
+        handlers = [_embed_route(embedder, info, metrics)]
+        message = f"this worker serves the embedding model '{info.model}': it only answers /embed"
+        handlers += [_refusal(path, message) for path in GENERATION_PATHS]
+    else:
+        raise ValueError("a worker serves either a generator or an embedder")
+
+    @get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": info.model,
+            "kind": kind,
+            "worker_id": info.worker_id,
+            "deployment_id": info.deployment_id,
+            "running": load.running,
+            "waiting": load.waiting,
+        }
+
+    @get("/metrics")
+    async def prometheus() -> Response[bytes]:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Litestar(
+        route_handlers=[*handlers, health, prometheus],
+        # Before the body is parsed: a wrong token is a 401 whatever the body.
+        before_request=check_token,
+        exception_handlers=exception_handlers(),  # OpenAI-style errors, as the gateway answers
+        openapi_config=None,
+        logging_config=None,  # the process (CLI, run_worker) owns the logging setup
+    )
+
+
+GENERATION_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+
+
+def _refusal(path: str, message: str) -> HTTPRouteHandler:
+    """A POST endpoint of the other kind of worker: a clear 400 instead of a bare 404, so a
+    misrouted request (a deployment pointing at the wrong model) says what went wrong."""
+
+    async def refuse() -> Response[dict[str, Any]]:
+        return error_response(400, message, code="wrong_model_kind")
+
+    return post(path, status_code=400, name=f"refuse{path}")(refuse)
+
+
+def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTTPRouteHandler:
+    encoder = msgspec.json.Encoder()
+    decoder = msgspec.json.Decoder(EmbedRequest)
+
+    @post("/embed", status_code=200)
+    async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
+        try:
+            req = decoder.decode(await request.body())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error_response(400, f"invalid embed request: {exc}")
+        try:
+            embedder.validate(req)
+        except ValueError as exc:
+            return error_response(400, str(exc), param=getattr(exc, "param", None))
+        start = time.perf_counter()
+        try:
+            result = await embedder.embed(req)
+        except Exception:
+            log.exception("embedding failed for %s", req.request_id)
+            return error_response(
+                500, "The model failed while embedding.", code="engine_error", type_="server_error"
+            )
+        metrics.prompt_tokens.inc(result.prompt_tokens)
+        metrics.e2e.observe(time.perf_counter() - start)
+        metrics.success.labels(info.model, "stop").inc()
+        return Response(encoder.encode(result), media_type=MediaType.JSON)
+
+    return embed
+
+
+def _generation_routes(generator: Generator, info: WorkerInfo, metrics: _Metrics) -> list[HTTPRouteHandler]:
+    """/generate and the OpenAI endpoints of a generate worker."""
+    encoder = msgspec.json.Encoder()
+    decoder = msgspec.json.Decoder(GenerateRequest)
 
     async def metered(req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         """The generator's deltas, recorded in the metrics; every endpoint generates through here."""
@@ -305,26 +417,4 @@ def create_app(generator: Generator, *, token: str, info: WorkerInfo) -> Litesta
         )
         return await respond(request, data, info.model, openai_deltas(prompt, "prompt"))
 
-    @get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "model": info.model,
-            "worker_id": info.worker_id,
-            "deployment_id": info.deployment_id,
-            "running": generator.running,
-            "waiting": generator.waiting,
-        }
-
-    @get("/metrics")
-    async def prometheus() -> Response[bytes]:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return Litestar(
-        route_handlers=[generate, chat, completions, health, prometheus],
-        # Before the body is parsed: a wrong token is a 401 whatever the body.
-        before_request=check_token,
-        exception_handlers=exception_handlers(),  # OpenAI-style errors, as the gateway answers
-        openapi_config=None,
-        logging_config=None,  # the process (CLI, run_worker) owns the logging setup
-    )
+    return [generate, chat, completions]

@@ -111,7 +111,7 @@ async def test_bootstrap_creates_admin_once(migrated_db: async_sessionmaker[Asyn
     async with migrated_db() as s:
         key, _ = await authenticate(s, first.admin_secret, SECRET)
         assert key.role == "platform_admin"
-        dep, model = await CatalogService(s).resolve("m", first.org.id)
+        dep, model, _ = await CatalogService(s).resolve("m", first.org.id)
         assert dep.type == "serverless" and model.context_length == 64
         with pytest.raises(APIError) as err:
             await CatalogService(s).resolve("nope", first.org.id)

@@ -465,3 +465,34 @@ async def test_redis_group_recreated_after_stream_loss(
         assert [e for e, _ in await bus.read_group(stream, "g", "c", block=0)] == [entry_id]
     finally:
         await bus.close()
+
+
+async def test_tail_survives_a_lost_stream(redis_url: str, new_stream: Callable[[], str]) -> None:
+    """A Redis restarted without persistence has lost the stream a tail waits on: entries
+    published afterwards must still reach it."""
+    from tokenmill.tasks import tail
+
+    stream = new_stream()
+    bus = RedisBus.from_url(redis_url)
+    seen: list[bytes] = []
+    try:
+        for i in range(3):
+            await bus.publish(stream, {"n": i})
+        task = asyncio.create_task(tail(bus, stream, seen.append, name="test"))
+        await asyncio.sleep(0.2)
+        await bus.publish(stream, {"n": 3})
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.02)
+        assert [msgspec.json.decode(s) for s in seen] == [{"n": 3}]  # from "now" on
+        await bus.redis.delete(stream)  # what a restart without persistence leaves
+        await bus.publish(stream, {"n": 4})
+        for _ in range(200):
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [msgspec.json.decode(s) for s in seen] == [{"n": 3}, {"n": 4}]
+        task.cancel()
+    finally:
+        await bus.close()

@@ -17,10 +17,12 @@ from redis.asyncio import Redis
 
 from tokenmill.limits import (
     Decision,
+    Hold,
     Limit,
     MemoryRateLimiter,
     RateLimiter,
     RedisRateLimiter,
+    Slot,
     gcra,
     make_limiter,
 )
@@ -231,6 +233,87 @@ async def test_concurrent_acquires_never_overshoot(limiter_factory: LimiterFacto
 
 
 # --- Redis only ---------------------------------------------------------------------------
+
+
+# --- admission: limits, slots and a budget hold in one step ---------------------------------
+
+
+async def test_admit_needs_a_seeded_counter(limiter: RateLimiter) -> None:
+    k, b = key(), key()
+    hold = Hold(b, "r1", amount=5, cap=100)
+    first = await limiter.admit([Limit(k, 60, burst=1)], [Slot(k, 1)], hold)
+    assert not first.allowed and not first.seeded
+    # nothing was charged while unseeded
+    assert await limiter.seed(b, 90, ttl=60)
+    assert not await limiter.seed(b, 0, ttl=60)  # an existing counter is kept
+    ok = await limiter.admit([Limit(k, 60, burst=1)], [Slot(k, 1)], hold)
+    assert ok.allowed and ok.seeded and (ok.spent, ok.held) == (90, 5)
+    assert ok.limits[0].remaining == 0 and ok.slots == [True]
+
+
+async def test_admit_is_all_or_nothing(limiter: RateLimiter) -> None:
+    k, b = key(), key()
+    await limiter.seed(b, 0, ttl=60)
+    limits = [Limit(f"{k}:r", 60, burst=5), Limit(f"{k}:t", 1000, cost=400)]
+    assert (await limiter.admit(limits, [Slot(k, 1)], Hold(b, "a", 10, cap=15))).allowed
+    # the slot is taken: refused, and neither the limits nor the budget were charged
+    no_slot = await limiter.admit(limits, [Slot(k, 1)], Hold(b, "b", 1, cap=15))
+    assert not no_slot.allowed and no_slot.slots == [False] and no_slot.budget_ok
+    assert [d.remaining for d in no_slot.limits] == [4, 600]
+    await limiter.release_slots([Slot(k, 1)])
+    # the budget would overshoot: refused, slot and limits untouched
+    broke = await limiter.admit(limits, [Slot(k, 1)], Hold(b, "c", 6, cap=15))
+    assert not broke.allowed and not broke.budget_ok and broke.slots == [True]
+    assert (broke.spent, broke.held) == (0, 10)
+    assert [d.remaining for d in broke.limits] == [4, 600]
+    # settling replaces the hold by the actual cost, freeing the rest of it
+    assert await limiter.settle(b, "a", 7) == 7
+    again = await limiter.admit(limits, [Slot(k, 1)], Hold(b, "c", 8, cap=15))
+    assert again.allowed and (again.spent, again.held) == (7, 8)
+
+
+async def test_soft_budget_counts_but_never_refuses(limiter: RateLimiter) -> None:
+    b = key()
+    await limiter.seed(b, 1000, ttl=60)
+    a = await limiter.admit([], [], Hold(b, "x", 50, cap=None))
+    assert a.allowed and (a.spent, a.held) == (1000, 50)
+    assert await limiter.settle(b, "x", 20) == 1020
+
+
+async def test_settle_without_counter_returns_none(limiter: RateLimiter) -> None:
+    assert await limiter.settle(key(), "gone", 5) is None
+
+
+async def test_holds_never_overshoot_a_hard_cap(limiter_factory: LimiterFactory) -> None:
+    b = key()
+    replicas = [limiter_factory() for _ in range(3)]
+    await replicas[0].seed(b, 0, ttl=60)
+    results = await asyncio.gather(
+        *(replicas[i % 3].admit([], [], Hold(b, f"h{i}", 7, cap=100)) for i in range(60))
+    )
+    assert sum(r.allowed for r in results) == 14  # 14 * 7 = 98 <= 100 < 105
+
+
+async def test_lapsed_holds_free_the_budget() -> None:
+    now = [0.0]
+    limiter = MemoryRateLimiter(clock=lambda: now[0])
+    await limiter.seed("b", 0, ttl=100)
+    assert (await limiter.admit([], [], Hold("b", "h", 10, cap=10, ttl=5))).allowed
+    assert not (await limiter.admit([], [], Hold("b", "i", 10, cap=10, ttl=5))).allowed
+    now[0] = 6.0
+    assert (await limiter.admit([], [], Hold("b", "i", 10, cap=10, ttl=5))).allowed
+
+
+async def test_redis_lapsed_holds_free_the_budget(redis_url: str) -> None:
+    limiter = RedisRateLimiter.from_url(redis_url, prefix=f"test:rl:{secrets.token_hex(6)}:")
+    try:
+        await limiter.seed("b", 0, ttl=60)
+        assert (await limiter.admit([], [], Hold("b", "h", 10, cap=10, ttl=0.2))).allowed
+        assert not (await limiter.admit([], [], Hold("b", "i", 10, cap=10, ttl=0.2))).allowed
+        await asyncio.sleep(0.3)
+        assert (await limiter.admit([], [], Hold("b", "i", 10, cap=10, ttl=0.2))).allowed
+    finally:
+        await limiter.close()
 
 
 async def test_redis_keys_expire_when_idle(redis_url: str, redis_client: Redis) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import os
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
@@ -21,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
+EMBED_MODEL = "all-MiniLM-L6-v2"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -175,6 +179,63 @@ def test_chat_streams_sse_until_done(server: Server) -> None:
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
+def _wait_for_embeddings(server: Server) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            server.client().embeddings.create(model=EMBED_MODEL, input="ready?")
+            return
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_openai_sdk_sync_and_async_on_every_endpoint(server: Server) -> None:
+    _wait_for_embeddings(server)
+    sync = server.client()
+    listed = [m.id for m in sync.models.list()]
+    assert MODEL in listed and EMBED_MODEL in listed
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    assert sync.chat.completions.create(**chat).choices[0].message.content
+    streamed = list(sync.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens > 0
+    assert sync.completions.create(model=MODEL, prompt="Once upon", max_tokens=3).choices[0].text
+    assert "".join(c.choices[0].text for c in sync.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=3, stream=True
+    ) if c.choices)  # fmt: skip
+    texts = ["The cat sat on the mat.", "A feline rested on a rug.", "Stock prices fell sharply."]
+    emb = sync.embeddings.create(model=EMBED_MODEL, input=texts)
+    vecs = [d.embedding for d in emb.data]
+    assert len(vecs) == 3 and len(vecs[0]) == 384 and emb.usage.prompt_tokens > 10
+
+    def cos(a: list[float], b: list[float]) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))  # unit vectors
+
+    assert cos(vecs[0], vecs[1]) > cos(vecs[0], vecs[2])  # meaning, not just bytes
+    # base64 (the SDK's default when numpy is around) decodes to the same vector
+    b64 = sync.embeddings.create(model=EMBED_MODEL, input=texts[0], encoding_format="base64")
+    raw = base64.b64decode(b64.data[0].embedding)  # type: ignore[arg-type]
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(vecs[0], abs=1e-6)
+
+    async def run_async() -> None:
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=server.key, max_retries=0, timeout=120
+        )
+        async with client:
+            assert MODEL in [m.id async for m in client.models.list()]
+            r = await client.chat.completions.create(**chat)
+            assert r.choices[0].message.content
+            stream = await client.chat.completions.create(**chat, stream=True)
+            assert [c async for c in stream]
+            c = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3)
+            assert c.usage.completion_tokens > 0
+            e = await client.embeddings.create(model=EMBED_MODEL, input="hello")
+            assert len(e.data[0].embedding) == 384
+
+    asyncio.run(run_async())
+
+
 def test_missing_or_wrong_key_is_401(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError) as err:
         server.client(key="tm-" + "x" * 48).models.list()
@@ -206,8 +267,12 @@ def test_admin_cli_key_works_against_the_running_server(server: Server) -> None:
         [sys.executable, "-m", "tokenmill.cli", "admin", "revoke-key", prefix],
         env=server.env, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
+    # the CLI told the server's key cache over the bus; allow it a moment to apply
+    deadline = time.monotonic() + 1.0
     with pytest.raises(openai.AuthenticationError):
-        server.client(key).models.list()
+        while time.monotonic() < deadline:
+            server.client(key).models.list()
+            time.sleep(0.05)
 
 
 def test_sigterm_stops_everything(server: Server) -> None:
@@ -222,9 +287,9 @@ def test_sigterm_stops_everything(server: Server) -> None:
     # the worker's lifetime was recorded from its announcement and departure on the bus
     with sqlite3.connect(server.home / "tokenmill.db") as db:
         rows = db.execute("SELECT status, started_at, stopped_at FROM workers").fetchall()
-    assert len(rows) == 1
-    status, started, stopped = rows[0]
-    assert status == "stopped" and started and stopped and stopped > started
+    assert len(rows) == 2  # the chat model's worker and the embedding model's
+    for status, started, stopped in rows:
+        assert status == "stopped" and started and stopped and stopped > started
 
 
 def test_killed_server_leaves_no_orphan(tmp_path: Path, model_cache: Path) -> None:

@@ -20,13 +20,25 @@ import pytest
 import uvicorn
 from litestar import Litestar, Request, post
 from litestar.response import Stream
+from sqlalchemy import select
 
 import migrations
-from control_plane.services import bootstrap
+from control_plane.models import Deployment, Model
+from control_plane.services import CatalogService, bootstrap
 from tokenmill.cli import Parts, create_app
 from tokenmill.db import make_engine, make_sessionmaker
-from tokenmill.protocol import WORKERS, GenerateDelta, GenerateRequest, Heartbeat
+from tokenmill.protocol import (
+    WORKERS,
+    EmbedRequest,
+    EmbedResponse,
+    GenerateDelta,
+    GenerateRequest,
+    Heartbeat,
+)
 from tokenmill.settings import BUNDLED_MODEL, Settings
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"  # the catalogue name `gateway_env` gives the bundled model
+EMBED_NAME = "all-MiniLM-L6-v2"  # the bundled embedding model, once `Env.embed_deployment` adds it
 
 INTERNAL = "internal-test-token"
 
@@ -67,6 +79,28 @@ class FakeWorker:
             return Stream(lines(), media_type="application/x-ndjson")
 
         return Litestar([generate])
+
+
+@dataclass
+class FakeEmbedder:
+    """A worker of an embed deployment: answers `/embed` with a fixed `dim`-long vector per input."""
+
+    worker_id: str
+    dim: int = 8
+    received: list[EmbedRequest] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> Litestar:
+        @post("/embed", status_code=200)
+        async def embed(request: Request) -> bytes:
+            assert request.headers.get("authorization") == f"Bearer {INTERNAL}"
+            req = msgspec.json.decode(await request.body(), type=EmbedRequest)
+            self.received.append(req)
+            vectors = [[(len(ids) + j) / (self.dim + 0.5) for j in range(self.dim)] for ids in req.inputs]
+            tokens = sum(len(ids) for ids in req.inputs)
+            return msgspec.json.encode(EmbedResponse(embeddings=vectors, prompt_tokens=tokens))
+
+        return Litestar([embed])
 
 
 def _free_port() -> int:
@@ -126,7 +160,84 @@ class Env:
             await asyncio.sleep(0.01)
         raise AssertionError("the fleet view never saw the heartbeat")
 
+    # --- tenants and deployments, for isolation tests --------------------------------------
+
+    async def tenant(self, name: str, *, scopes: list[str] | None = None) -> Tenant:
+        """A new organisation and a member key of it, made through the admin API."""
+        admin = {"authorization": f"Bearer {self.admin_key}"}
+        r = await self.client.post("/admin/v1/organizations", headers=admin, json={"name": name})
+        assert r.status_code == 201, r.text
+        org_id = r.json()["id"]
+        return Tenant(org_id, await self.key(org_id, scopes=scopes))
+
+    async def key(self, org_id: str, *, scopes: list[str] | None = None) -> str:
+        """The secret of a new member key of `org_id`; `scopes` are the model names it may use."""
+        admin = {"authorization": f"Bearer {self.admin_key}"}
+        body = {"role": "member", "scopes": scopes}
+        r = await self.client.post(f"/admin/v1/organizations/{org_id}/keys", headers=admin, json=body)
+        assert r.status_code == 201, r.text
+        return str(r.json()["secret"])
+
+    async def dedicated(self, name: str, org_id: str, model: str = BUNDLED_NAME) -> str:
+        """Id of a new dedicated deployment of `model` owned by `org_id`. Written to the table
+        directly: the admin API has no deployment endpoints yet."""
+        async with self.app.state.sessionmaker() as session, session.begin():
+            model_id = await session.scalar(select(Model.id).where(Model.name == model))
+            assert model_id is not None, model
+            dep = Deployment(name=name, model_id=model_id, org_id=org_id, kind="generate", type="dedicated")
+            session.add(dep)
+            await session.flush()
+            return dep.id
+
+    async def add_worker_for(self, deployment_id: str) -> FakeWorker:
+        """A fake worker serving another deployment than the bundled model's (not in
+        `workers`, which `beat` would move back to that one)."""
+        w = FakeWorker(f"fake-{deployment_id}")
+        w.url = await self._stack.enter_async_context(serve(w.app()))
+        await self.announce(w.worker_id, w.url, deployment_id)
+        return w
+
+    async def announce(self, worker_id: str, url: str, deployment_id: str, model: str = "m") -> None:
+        """Put any worker (fake or real) serving `deployment_id` into the gateway's fleet view."""
+        hb = Heartbeat(
+            worker_id=worker_id, deployment_id=deployment_id, address=url, model=model, ts=time.time()
+        )
+        await self.app.state.bus.publish(WORKERS, hb)
+        fleet = self.app.state.gateway.fleet
+        for _ in range(200):
+            if worker_id in fleet.workers:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the fleet view never saw the heartbeat")
+
+    # --- embeddings ---------------------------------------------------------------------------
+
+    async def embed_deployment(self) -> str:
+        """Id of the serverless deployment of the bundled MiniLM (added to the catalogue)."""
+        async with self.app.state.sessionmaker() as session, session.begin():
+            catalog = CatalogService(session)
+            model = await catalog.ensure_model(
+                name=EMBED_NAME, source="bundled:minilm", format="hf", kind="embed", context_length=256
+            )
+            return (await catalog.ensure_serverless(model)).id
+
+    async def add_embed_worker(self, deployment_id: str) -> FakeEmbedder:
+        w = FakeEmbedder(f"fake-embed-{deployment_id}")
+        w.url = await self._stack.enter_async_context(serve(w.app()))
+        await self.announce(w.worker_id, w.url, deployment_id, model=EMBED_NAME)
+        return w
+
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    org_id: str
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.key}"}
 
 
 @pytest.fixture

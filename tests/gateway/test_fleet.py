@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import get_args
 
-from gateway.fleet import IMBALANCE, FleetView
+import pytest
+
+from gateway.fleet import IMBALANCE, PENDING_SECONDS, ROUTING_POLICIES, FleetView, Routing
 from tokenmill.bus import MemoryBus
 from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, KvOp, WorkerDeparture
@@ -18,8 +21,8 @@ def _hashes(salt: str) -> list[str]:
     return [h.hex() for h in hash_blocks(PROMPT, 16, extra_keys(salt, None))]
 
 
-def _fleet(*loads: int) -> FleetView:
-    fleet = FleetView(MemoryBus(), timeout=30)
+def _fleet(*loads: int, routing: Routing = "prefix") -> FleetView:
+    fleet = FleetView(MemoryBus(), timeout=30, routing=routing)
     for i, load in enumerate(loads):
         fleet.apply(Heartbeat(f"w{i}", DEP, f"http://w{i}", "m", running=load, ts=time.time()))
     return fleet
@@ -60,11 +63,88 @@ def test_load_imbalance_overrides_the_cache() -> None:
     assert fleet.pick(DEP, hashes=h).worker_id == "w0"
 
 
+def test_a_routed_prompt_attracts_its_followers_before_the_kv_events_arrive() -> None:
+    fleet = _fleet(0, 0, 0)
+    h = _hashes("org-a")
+    first = fleet.pick(DEP, hashes=h).worker_id
+    fleet.workers[first].inflight = 2  # still prefilling: no KV event yet, and busier than the rest
+    assert fleet.overlap(first, h) == 0
+    assert fleet.pick(DEP, hashes=h).worker_id == first
+    # a longer prompt of the same organisation shares the leading blocks
+    longer = [x.hex() for x in hash_blocks(PROMPT + list(range(300, 332)), 16, extra_keys("org-a", None))]
+    assert fleet.pick(DEP, hashes=longer).worker_id == first
+    # the worker's own events replace the guess: it evicted the first block meanwhile
+    fleet.apply_kv(KvEvents(first, DEP, [KvOp("stored", h[1:]), KvOp("removed", h[:1])]))
+    assert fleet.pick(DEP, hashes=h).worker_id != first
+
+
+def test_pending_blocks_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A request that never reached its prefill (it failed, say) stops attracting others.
+    fleet = _fleet(0, 0)
+    h = _hashes("org-a")
+    first = fleet.pick(DEP, hashes=h).worker_id
+    fleet.workers[first].inflight = 1
+    assert fleet.pick(DEP, hashes=h).worker_id == first  # busier, but about to hold the prefix
+    later = time.monotonic() + PENDING_SECONDS + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    for w in ("w0", "w1"):
+        fleet.apply(Heartbeat(w, DEP, f"http://{w}", "m", ts=time.time()))
+    assert fleet.pick(DEP, hashes=h).worker_id != first
+    assert fleet.pending[first] == {}
+
+
+def test_uncached_prefixes_spread_over_the_caches() -> None:
+    # All idle: each new organisation goes where the fewest blocks are held or on their way,
+    # not all onto the first idle worker.
+    fleet = _fleet(0, 0, 0)
+    picks = [fleet.pick(DEP, hashes=_hashes(f"org-{i}")).worker_id for i in range(6)]
+    assert sorted(picks) == ["w0", "w0", "w1", "w1", "w2", "w2"]
+    # a worker that already holds many blocks gets the next newcomer last
+    fleet = _fleet(0, 0)
+    fleet.apply_kv(KvEvents("w0", DEP, [KvOp("stored", _hashes("org-a"))]))
+    assert fleet.pick(DEP, hashes=_hashes("org-b")).worker_id == "w1"
+
+
 def test_departure_forgets_the_cache() -> None:
     fleet = _fleet(0)
     fleet.apply_kv(KvEvents("w0", DEP, [KvOp("stored", _hashes("a"))]))
     fleet.apply(WorkerDeparture("w0", DEP))
     assert "w0" not in fleet.cached and fleet.pick(DEP) is None
+
+
+def test_round_robin_cycles_over_healthy_workers_ignoring_caches() -> None:
+    fleet = _fleet(0, 5, 0, routing="round_robin")
+    h = _hashes("org-a")
+    fleet.apply_kv(KvEvents("w1", DEP, [KvOp("stored", h)]))
+    assert [fleet.pick(DEP, hashes=h).worker_id for _ in range(6)] == ["w0", "w1", "w2"] * 2
+    # a draining worker and one whose heartbeats stopped leave the cycle
+    fleet.apply(Heartbeat("w1", DEP, "http://w1", "m", draining=True, ts=time.time()))
+    fleet.workers["w2"].seen -= 60
+    assert {fleet.pick(DEP, hashes=h).worker_id for _ in range(4)} == {"w0"}
+    # a retry skips the workers already tried
+    fleet.apply(Heartbeat("w1", DEP, "http://w1", "m", ts=time.time()))
+    assert [fleet.pick(DEP, exclude={"w0"}).worker_id for _ in range(2)] == ["w1", "w1"]
+    # each deployment has its own cycle
+    fleet.apply(Heartbeat("x0", "dep_2", "http://x0", "m", ts=time.time()))
+    assert fleet.pick("dep_2").worker_id == "x0"
+
+
+def test_least_loaded_ignores_caches() -> None:
+    fleet = _fleet(2, 1, 3, routing="least_loaded")
+    h = _hashes("org-a")
+    fleet.apply_kv(KvEvents("w0", DEP, [KvOp("stored", h)]))
+    assert fleet.pick(DEP, hashes=h).worker_id == "w1"
+    fleet.workers["w1"].inflight = 3  # our own in-flight requests count before the next beat
+    assert fleet.pick(DEP, hashes=h).worker_id == "w0"
+
+
+def test_routing_policies_match_the_setting() -> None:
+    from tokenmill.settings import Settings
+
+    assert get_args(Settings.model_fields["routing"].annotation) == ROUTING_POLICIES
+    assert Settings().routing == "prefix" and FleetView(MemoryBus(), timeout=1).routing == "prefix"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        FleetView(MemoryBus(), timeout=1, routing="random")  # type: ignore[arg-type]
 
 
 async def test_tails_both_streams_from_the_bus() -> None:

@@ -26,7 +26,15 @@ from litestar.params import FromPath
 
 from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.modelstore import model_name, resolve_model
-from tokenmill.protocol import KV, WORKERS, GenerateDelta, GenerateRequest, SamplingParams
+from tokenmill.protocol import (
+    KV,
+    WORKERS,
+    EmbedRequest,
+    EmbedResponse,
+    GenerateDelta,
+    GenerateRequest,
+    SamplingParams,
+)
 from tokenmill.tokenization import Tokenizer
 from workers.engine import EngineConfig
 from workers.generator import EngineGenerator
@@ -266,6 +274,16 @@ async def test_health(client: httpx.AsyncClient) -> None:
     body = resp.json()
     assert body["status"] == "ok" and body["model"] == "SmolLM2-135M-Instruct"
     assert body["worker_id"] == "w-test" and body["deployment_id"] == "dep-test"
+    assert body["kind"] == "generate"
+
+
+async def test_a_generate_worker_refuses_embed(client: httpx.AsyncClient) -> None:
+    body = msgspec.json.encode(EmbedRequest(request_id="x", inputs=[[1, 2, 3]]))
+    resp = await client.post("/embed", content=body, headers=AUTH)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == "wrong_model_kind" and "SmolLM2-135M-Instruct" in err["message"]
+    assert (await client.post("/embed", content=body)).status_code == 401  # the token still comes first
 
 
 async def test_metrics(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
@@ -443,6 +461,56 @@ async def test_worker_process_lifecycle(
         assert departure["type"] == "departure" and departure["worker_id"] == "w-sub"
         assert departure["deployment_id"] == "dep-1"
         assert any(e["draining"] for e in bus.of_type("heartbeat"))
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await stderr.task
+        print("worker stderr:", *stderr.lines, sep="\n")  # shown by pytest on failure
+
+
+async def test_embed_worker_process_lifecycle(
+    fake_bus: tuple[_FakeBus, str], model_cache: Path, tmp_path: Path
+) -> None:
+    """The bundled MiniLM makes an embed worker: same announce/heartbeat/departure life cycle
+    as a generate worker, /embed at the published address, and no KV events."""
+    bus, bus_url = fake_bus
+    code = WORKER_CODE.format(model="bundled:minilm", worker_id="w-embed", exit_with_parent=False)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        env=_worker_env(bus_url, model_cache, tmp_path),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stderr = _Stderr(proc.stderr)  # type: ignore[arg-type]
+    try:
+        match = READY.fullmatch(await asyncio.wait_for(stderr.ready, 120))
+        assert match, stderr.lines[-1]
+        worker_id, address, model = match.groups()
+        assert worker_id == "w-embed" and model == "all-MiniLM-L6-v2"
+
+        await bus.wait_for(lambda: len(bus.of_type("heartbeat")) >= 2, 15)
+        announce = bus.events[0]
+        assert announce["type"] == "announce" and announce["deployment_id"] == "dep-1"
+        assert announce["address"] == address and announce["model"] == "all-MiniLM-L6-v2"
+        beat = bus.of_type("heartbeat")[0]
+        assert beat["kv_usage"] == 0 and beat["running"] == 0 and beat["draining"] is False
+
+        async with httpx.AsyncClient(base_url=address, timeout=60) as c:
+            body = msgspec.json.encode(EmbedRequest("e", [[101, 7592, 2088, 102], [101, 102]]))
+            resp = await c.post("/embed", content=body, headers=AUTH)
+            assert resp.status_code == 200, resp.text
+            out = msgspec.json.decode(resp.content, type=EmbedResponse)
+            assert out.prompt_tokens == 6 and [len(v) for v in out.embeddings] == [384, 384]
+            assert abs(sum(x * x for x in out.embeddings[0]) - 1) < 1e-5
+            assert (await c.post("/generate", content=body, headers=AUTH)).status_code == 400
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        await bus.wait_for(lambda: bus.of_type("departure"), 5)
+        assert bus.events[-1]["worker_id"] == "w-embed" and bus.events[-1]["deployment_id"] == "dep-1"
+        assert bus.kv == []  # an encoder has no prefix cache to publish
     finally:
         if proc.returncode is None:
             proc.kill()

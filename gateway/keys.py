@@ -1,0 +1,195 @@
+"""Who is calling: API keys checked against an in-process cache of key records.
+
+The database is read once per key per `ttl`, not once per request. Revoking a key (or
+changing an organisation) publishes `KeysChanged` on the KEYS stream; every replica tails
+it and drops the record at once, so a revoked key stops working everywhere within a
+second. The TTL bounds staleness if an event is ever missed.
+
+The secret itself is never cached: each request's key is hashed and compared (in
+constant time) with the stored hash, exactly as without the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from control_plane.models import ApiKey, Organization, Plan
+from control_plane.services import check_key, find_key
+from tokenmill import security
+from tokenmill.bus import EventBus
+from tokenmill.errors import APIError
+from tokenmill.protocol import KEYS, KeysChanged
+from tokenmill.settings import Settings
+from tokenmill.tasks import Background, tail
+
+log = logging.getLogger("tokenmill.gateway.keys")
+
+
+@dataclass(slots=True, frozen=True)
+class Rate:
+    """`per_minute` units a minute, at most `burst` at once (GCRA capacity)."""
+
+    per_minute: int
+    burst: int
+
+
+@dataclass(slots=True, frozen=True)
+class Quota:
+    """The limits that apply to one key: its own, and its organisation's plan (or defaults)."""
+
+    key_requests: Rate | None = None
+    key_tokens: Rate | None = None
+    key_concurrent: int | None = None
+    org_requests: Rate | None = None
+    org_tokens: Rate | None = None
+    org_concurrent: int | None = None
+    budget: Decimal | None = None  # monthly spend limit of the organisation
+    hard_budget: bool = False  # refuse what would overshoot, rather than only alert
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    key_id: str
+    org_id: str
+    role: str
+    scopes: tuple[str, ...] | None
+    cache_salt: str
+    quota: Quota = Quota()
+
+    def may_use(self, model: str) -> bool:
+        return self.scopes is None or model in self.scopes
+
+
+def _rate(per_minute: int | None, burst: int | None, default: int | None = None) -> Rate | None:
+    per_minute = per_minute if per_minute is not None else default
+    if not per_minute:
+        return None
+    return Rate(per_minute, burst or per_minute)
+
+
+def quota(key: ApiKey, plan: Plan | None, settings: Settings) -> Quota:
+    if plan is None:  # organisations without a plan get the platform's default tier
+        org_requests = _rate(settings.default_requests_per_minute, None)
+        org_tokens = _rate(settings.default_tokens_per_minute, None)
+        org_concurrent = settings.default_max_concurrent or None
+        budget, hard = None, False
+    else:
+        org_requests = _rate(plan.requests_per_minute, plan.request_burst)
+        org_tokens = _rate(plan.tokens_per_minute, plan.token_burst)
+        org_concurrent = plan.max_concurrent
+        budget, hard = plan.monthly_budget, plan.budget_mode == "hard"
+    return Quota(
+        key_requests=_rate(key.requests_per_minute, key.request_burst),
+        key_tokens=_rate(key.tokens_per_minute, key.token_burst),
+        key_concurrent=key.max_concurrent,
+        org_requests=org_requests,
+        org_tokens=org_tokens,
+        org_concurrent=org_concurrent,
+        budget=budget,
+        hard_budget=hard,
+    )
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: ApiKey | None  # None: no such key (cached briefly so floods of bad keys skip the DB)
+    org: Organization | None
+    caller: Caller | None
+    expires: float  # monotonic
+
+
+class KeyCache(Background):
+    name = "key-cache"
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        *,
+        ttl: float = 30.0,
+        miss_ttl: float = 2.0,
+    ) -> None:
+        super().__init__()
+        assert settings.secret_key
+        self.settings = settings
+        self.secret_key = settings.secret_key
+        self.bus = bus
+        self.sessionmaker = sessionmaker
+        self.ttl = ttl
+        self.miss_ttl = miss_ttl
+        self._entries: dict[str, _Entry] = {}
+        self._loading: dict[str, asyncio.Future[_Entry]] = {}
+        self._generation = 0  # bumped by every change event
+        self._changed = msgspec.json.Decoder(KeysChanged)
+
+    async def run(self) -> None:
+        await tail(self.bus, KEYS, lambda raw: self.apply(self._changed.decode(raw)), name=self.name)
+
+    def apply(self, ev: KeysChanged) -> None:
+        self._generation += 1
+        if ev.prefix is not None:
+            self._entries.pop(ev.prefix, None)
+        if ev.org_id is not None:
+            for prefix in [p for p, e in self._entries.items() if e.org and e.org.id == ev.org_id]:
+                del self._entries[prefix]
+
+    async def caller(self, authorization: str | None) -> Caller:
+        scheme, _, secret = (authorization or "").partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret:
+            raise APIError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer tm-...'.",
+                code="invalid_api_key",
+            )
+        prefix = security.key_prefix(secret)
+        entry = await self._entry(prefix) if prefix is not None else None
+        check_key(secret, entry.key if entry else None, self.secret_key)
+        assert entry is not None and entry.org is not None and entry.caller is not None
+        if entry.org.status != "active":
+            raise APIError(403, "This organisation is suspended.", code="organization_suspended")
+        return entry.caller
+
+    async def _entry(self, prefix: str) -> _Entry:
+        entry = self._entries.get(prefix)
+        if entry is not None and entry.expires > time.monotonic():
+            return entry
+        # Concurrent first requests of one key share one database read.
+        fut = self._loading.get(prefix)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load(prefix))
+            self._loading[prefix] = fut
+            fut.add_done_callback(lambda _: self._loading.pop(prefix, None))
+        return await asyncio.shield(fut)
+
+    async def _load(self, prefix: str) -> _Entry:
+        generation = self._generation
+        async with self.sessionmaker() as session:
+            found = await find_key(session, prefix)
+        now = time.monotonic()
+        if found is None:
+            entry = _Entry(None, None, None, now + self.miss_ttl)
+        else:
+            key, org, plan = found
+            caller = Caller(
+                key.id,
+                org.id,
+                key.role,
+                tuple(key.scopes) if key.scopes else None,
+                org.cache_salt,
+                quota(key, plan, self.settings),
+            )
+            entry = _Entry(key, org, caller, now + self.ttl)
+        # A change event that arrived while we read may describe a newer row than ours:
+        # use what we read for this request only.
+        if generation == self._generation:
+            self._entries[prefix] = entry
+        return entry
