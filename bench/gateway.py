@@ -23,7 +23,8 @@ Processes (each its own; this machine has 2 cores, which they all share):
 For each target: a warm-up, then `--connections` (32) for `--seconds` (20), then one
 connection for `--latency-seconds` (5) to see the added latency without queueing. The
 worker is also loaded directly (the floor). CPU per request is the utime + stime delta of
-each process (from /proc) over the run, divided by the requests wrk completed.
+each process (from /proc) over the run, divided by the requests wrk completed. Without
+`wrk`, `bench._load` (an asyncio client on uvloop, in its own process) generates the load.
 """
 
 from __future__ import annotations
@@ -154,29 +155,33 @@ class Target:
 
 
 class Bench:
-    def __init__(self, tmp: Path, wrk: str) -> None:
+    def __init__(self, tmp: Path, wrk: str | None) -> None:
         self.tmp = tmp
         self.wrk = wrk
         self.watched: dict[str, int] = {}  # process name -> pid, for CPU accounting
 
     def load(self, target: Target, connections: int, seconds: float) -> Run:
-        script = self.tmp / f"wrk-{target.name}.lua"
-        script.write_text(
-            WRK_SCRIPT
-            % {"body": lua_string(target.body.decode()), "auth": lua_string(f"Bearer {target.auth}")}
-        )
+        auth = f"Bearer {target.auth}"
+        if self.wrk is not None:
+            script = self.tmp / f"wrk-{OWN.get(target.name, target.name)}.lua"
+            script.write_text(
+                WRK_SCRIPT % {"body": lua_string(target.body.decode()), "auth": lua_string(auth)}
+            )
+            cmd = [self.wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+                   "-s", str(script), target.url]  # fmt: skip
+        else:
+            body = self.tmp / "body"
+            body.write_bytes(target.body)
+            headers = ["--header", "Content-Type: application/json", "--header", f"Authorization: {auth}"]
+            cmd = [sys.executable, "-m", "bench._load", target.url, "--connections", str(connections),
+                   "--seconds", str(seconds), "--body", str(body), *headers]  # fmt: skip
         out_path = self.tmp / "wrk.out"
         pg = postgres_pids()
         before = {name: cpu_seconds(pid) for name, pid in self.watched.items()}
         pg_before = group_cpu(pg)
         busy0, total0 = machine_busy()
         with out_path.open("wb") as out:
-            proc = subprocess.Popen(
-                [self.wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-                 "-s", str(script), target.url],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
         busy1, total1 = machine_busy()
@@ -184,12 +189,12 @@ class Bench:
         text = out_path.read_text()
         line = next((ln for ln in text.splitlines() if ln.startswith("BENCH-JSON ")), None)
         if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"wrk failed ({proc.returncode}):\n{text}")
+            raise RuntimeError(f"the load generator failed ({proc.returncode}):\n{text}")
         r = json.loads(line.removeprefix("BENCH-JSON "))
         n = max(1, r["requests"])
         cpu = {name: (after[name] - before[name]) * 1000 / n for name in self.watched}
-        cpu["postgres"] = (group_cpu(pg) - pg_before) * 1000 / n
-        cpu["wrk"] = (usage.ru_utime + usage.ru_stime) * 1000 / n
+        cpu["postgres"] = max(0.0, group_cpu(pg) - pg_before) * 1000 / n  # exited backends take theirs along
+        cpu["loadgen"] = (usage.ru_utime + usage.ru_stime) * 1000 / n
         elapsed = r["duration_us"] / 1e6
         return Run(
             target=target.name,
@@ -407,14 +412,16 @@ def main() -> None:
     )
     p.add_argument("--no-bare", action="store_true", help="skip the bare forwarder and the direct worker")
     p.add_argument("--bare-httpx", action="store_true", help="also a bare forwarder on httpx")
+    p.add_argument("--no-wrk", action="store_true", help="load with bench._load even if wrk is installed")
     p.add_argument("--profile", type=Path, help="py-spy each server in its first loaded run, stacks here")
     p.add_argument("--out", type=Path, help="JSON result file (default bench/results/gateway[-quick].json)")
     args = p.parse_args()
     if args.quick:
         args.seconds, args.latency_seconds, args.warmup = 5.0, 2.0, 1.0
-    wrk = shutil.which("wrk")
-    if wrk is None:
-        sys.exit("bench.gateway needs wrk (Debian: apt-get install wrk)")
+    wrk = None if args.no_wrk else shutil.which("wrk")
+    if wrk is None and not args.no_wrk:
+        print("wrk not found (Debian: apt-get install wrk): loading with bench._load, which costs more CPU",
+              file=sys.stderr)  # fmt: skip
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         sys.exit("bench.gateway needs redis-server (Debian: apt-get install redis-server)")
@@ -443,7 +450,7 @@ def run(
     procs: Processes,
     db_url: str,
     cache: Path,
-    wrk: str,
+    wrk: str | None,
     redis_server: str,
 ) -> dict[str, Any]:
     redis_port = free_port()
@@ -607,7 +614,7 @@ def run(
             "latency_seconds": args.latency_seconds,
             "prompt_tokens": prompt_tokens,
             "max_tokens": MAX_TOKENS,
-            "load_generator": "wrk -t1",
+            "load_generator": "wrk -t1" if wrk else "bench._load (uvloop)",
             "database": "local PostgreSQL, fresh database",
             "redis": "private redis-server, no persistence",
         },
@@ -650,7 +657,7 @@ def report(runs: list[Run], connections: int) -> str:
             added1 = f"{one.p50_ms - direct[1].p50_ms:.3f}" if direct[1] is not None else "-"
         else:
             added, added1 = "-", "-"
-        total = sum(v for k, v in r.cpu_ms_per_request.items() if k != "wrk")
+        total = sum(v for k, v in r.cpu_ms_per_request.items() if k != "loadgen")
         lines.append(
             f"| {target} | {r.rps:,.0f} | {r.p50_ms:.2f} / {r.p99_ms:.2f} | {added} | {added1} "
             f"| {r.cpu_ms_per_request.get(own, 0):.3f} | {total:.3f} | {r.machine_busy_cores:.2f} |"

@@ -1,27 +1,93 @@
-"""Admin API under /admin/v1 (HTTP only; the logic is in services.py)."""
+"""Admin API under /admin/v1 (HTTP only; the logic is in services.py).
+
+Roles: a platform admin manages everything; an organisation admin manages its own
+organisation's users, keys, adapters and dedicated deployments and reads the shared
+catalogue (models, serverless deployments, plans); member keys are for inference only.
+Another organisation's resources answer 404, exactly like missing ones, so ids cannot be
+probed.
+
+Changes that gateways cache (keys, an organisation's status or plan, a plan's limits) are
+committed first and then announced on the KEYS stream, so a gateway that drops its cached
+record re-reads the new one.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Annotated, Any
+
 import msgspec
-from litestar import Controller, Request, delete, get, post
+from litestar import Controller, Request, Router, delete, get, patch, post
 from litestar.connection import ASGIConnection
+from litestar.datastructures import State, UploadFile
 from litestar.di import NamedDependency, Provide
 from litestar.handlers import BaseRouteHandler
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from control_plane.models import ApiKey, Organization
-from control_plane.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, OrganizationCreate, OrganizationOut
-from control_plane.services import ApiKeyService, OrganizationService, authenticate
+from control_plane import lora
+from control_plane.models import Deployment, Model, Plan
+from control_plane.schemas import (
+    AdapterOut,
+    ApiKeyCreate,
+    ApiKeyCreated,
+    ApiKeyOut,
+    ApiKeyUpdate,
+    AuditEntryOut,
+    AuditPage,
+    DeploymentCreate,
+    DeploymentOut,
+    DeploymentUpdate,
+    ModelCreate,
+    ModelOut,
+    ModelUpdate,
+    OrganizationCreate,
+    OrganizationOut,
+    OrganizationUpdate,
+    PlanCreate,
+    PlanOut,
+    PlanUpdate,
+    UserCreate,
+    UserOut,
+    UserUpdate,
+)
+from control_plane.services import (
+    AdapterService,
+    ApiKeyService,
+    AuditQuery,
+    AuditService,
+    CreatedKey,
+    DeploymentService,
+    ModelService,
+    OrganizationService,
+    PlanService,
+    Principal,
+    UserService,
+    authenticate,
+    deployment_adapters,
+    remove_adapter_files,
+)
+from tokenmill.bus import EventBus
 from tokenmill.errors import APIError
 from tokenmill.protocol import KEYS, KeysChanged
+from tokenmill.settings import Settings
+from tokenmill.storage import Storage
 
 ADMIN_ROLES = ("platform_admin", "org_admin")
+# Largest adapter upload (both files); Litestar refuses bigger bodies with 413 before reading them.
+MAX_ADAPTER_UPLOAD = 2 << 30
+
+# --- who is calling ------------------------------------------------------------------------
 
 
-async def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+async def authenticate_admin(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+    """The one place an admin caller is identified: today an admin API key in
+    `Authorization: Bearer`; the dashboard's session login (issue 8) joins here."""
     scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not secret:
+    if scheme.lower() != "bearer" or not secret.strip():
         raise APIError(
             401, "Admin endpoints need 'Authorization: Bearer <admin key>'.", code="invalid_api_key"
         )
@@ -30,111 +96,718 @@ async def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None
         key, _org = await authenticate(session, secret.strip(), state.settings.secret_key)
     if key.role not in ADMIN_ROLES:
         raise APIError(403, "This key may not use the admin API.", code="insufficient_permissions")
-    connection.state.admin = key
+    return Principal(role=key.role, org_id=key.org_id, key_id=key.id, user_id=key.user_id)
 
 
-def provide_admin(request: Request) -> ApiKey:
+async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard of every admin route (billing's included): who it is, kept for `provide_admin`."""
+    connection.state.admin = await authenticate_admin(connection)
+
+
+def provide_admin(request: Request[Any, Any, Any]) -> Principal:
     return request.state.admin
 
 
-def _check_org(admin: NamedDependency[ApiKey], org_id: str) -> None:
-    # Organisation admins see their own organisation only; answer 404 rather than 403 so
-    # other tenants' ids cannot be probed.
-    if admin.role != "platform_admin" and admin.org_id != org_id:
-        raise APIError(404, f"No organisation '{org_id}'.", code="not_found")
+def _platform_only(admin: Principal, what: str) -> None:
+    if not admin.is_platform_admin:
+        raise APIError(403, f"Only platform admins {what}.", code="insufficient_permissions")
 
 
-def _org_out(o: Organization) -> OrganizationOut:
-    return msgspec.convert(o, OrganizationOut, from_attributes=True)
+# --- dependencies ------------------------------------------------------------------------
 
 
-def _key_out(k: ApiKey) -> ApiKeyOut:
-    return msgspec.convert(k, ApiKeyOut, from_attributes=True)
+def provide_settings(state: State) -> Settings:
+    return state.settings
+
+
+def provide_bus(state: State) -> EventBus:
+    return state.bus
 
 
 async def provide_orgs(db_session: NamedDependency[AsyncSession]) -> OrganizationService:
     return OrganizationService(session=db_session)
 
 
+async def provide_users(db_session: NamedDependency[AsyncSession]) -> UserService:
+    return UserService(session=db_session)
+
+
 async def provide_keys(db_session: NamedDependency[AsyncSession]) -> ApiKeyService:
     return ApiKeyService(session=db_session)
 
 
-class AdminController(Controller):
-    path = "/admin/v1"
-    guards = [require_admin]
-    tags = ["Admin"]
-    dependencies = {
-        "admin": Provide(provide_admin, sync_to_thread=False),
-        "orgs": Provide(provide_orgs),
-        "keys": Provide(provide_keys),
-    }
+async def provide_models(db_session: NamedDependency[AsyncSession]) -> ModelService:
+    return ModelService(session=db_session)
 
-    @get("/organizations")
+
+async def provide_deployments(db_session: NamedDependency[AsyncSession]) -> DeploymentService:
+    return DeploymentService(session=db_session)
+
+
+async def provide_adapters(db_session: NamedDependency[AsyncSession]) -> AdapterService:
+    return AdapterService(session=db_session)
+
+
+async def provide_plans(db_session: NamedDependency[AsyncSession]) -> PlanService:
+    return PlanService(session=db_session)
+
+
+async def provide_audit(db_session: NamedDependency[AsyncSession]) -> AuditService:
+    return AuditService(db_session)
+
+
+async def announce(
+    session: AsyncSession, bus: NamedDependency[EventBus], events: Sequence[KeysChanged]
+) -> None:
+    """Commit, then tell the gateways: the record they re-read must be the changed one."""
+    await session.commit()
+    for event in events:
+        await bus.publish(KEYS, event)
+
+
+# --- wire conversions --------------------------------------------------------------------
+
+
+def _out(row: Any, kind: type[Any]) -> Any:
+    return msgspec.convert(row, kind, from_attributes=True)
+
+
+def _deployment_out(dep: Deployment) -> DeploymentOut:
+    return DeploymentOut(
+        id=dep.id,
+        name=dep.name,
+        model_id=dep.model_id,
+        org_id=dep.org_id,
+        type=dep.type,
+        kind=dep.kind,
+        gpu_type=dep.gpu_type,
+        min_replicas=dep.min_replicas,
+        max_replicas=dep.max_replicas,
+        status=dep.status,
+        adapters=deployment_adapters(dep),
+        created_at=dep.created_at,
+    )
+
+
+def _created(created: CreatedKey) -> ApiKeyCreated:
+    return msgspec.structs.replace(_out(created.key, ApiKeyCreated), secret=created.secret)
+
+
+# --- organisations -----------------------------------------------------------------------
+
+
+class OrganizationController(Controller):
+    path = "/organizations"
+    tags = ["Admin: organisations"]
+
+    @get()
     async def list_organizations(
-        self, admin: NamedDependency[ApiKey], orgs: NamedDependency[OrganizationService]
+        self, admin: NamedDependency[Principal], orgs: NamedDependency[OrganizationService]
     ) -> list[OrganizationOut]:
-        if admin.role == "platform_admin":
-            found = await orgs.get_many(order_by=[(Organization.created_at, False)])
-        else:
-            found = await orgs.get_many(Organization.id == admin.org_id)
-        return [_org_out(o) for o in found]
+        return [_out(o, OrganizationOut) for o in await orgs.list_visible(admin)]
 
-    @post("/organizations")
+    @post()
     async def create_organization(
         self,
         data: JSONBody[OrganizationCreate],
-        admin: NamedDependency[ApiKey],
+        admin: NamedDependency[Principal],
         orgs: NamedDependency[OrganizationService],
     ) -> OrganizationOut:
-        if admin.role != "platform_admin":
-            raise APIError(403, "Only platform admins create organisations.", code="insufficient_permissions")
-        return _org_out(await orgs.create_org(data.name))
+        _platform_only(admin, "create organisations")
+        return _out(await orgs.create_org(data.name, plan_id=data.plan_id, actor=admin), OrganizationOut)
+
+    @get("/{org_id:str}")
+    async def get_organization(
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+    ) -> OrganizationOut:
+        return _out(await orgs.visible(org_id, admin), OrganizationOut)
+
+    @patch("/{org_id:str}")
+    async def update_organization(
+        self,
+        org_id: FromPath[str],
+        data: JSONBody[OrganizationUpdate],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> OrganizationOut:
+        """Rename (its own admins may) or assign a plan (`plan_id`, null for the default
+        tier; platform admins only)."""
+        org = await orgs.visible(org_id, admin)
+        if data.plan_id is not msgspec.UNSET and not admin.is_platform_admin:
+            raise APIError(
+                403, "Only platform admins assign plans.", code="insufficient_permissions", param="plan_id"
+            )
+        if await orgs.update_org(org, data, admin):
+            await announce(db_session, bus, [KeysChanged(org_id=org.id)])
+        return _out(org, OrganizationOut)
+
+    @post("/{org_id:str}/suspend", status_code=200)
+    async def suspend_organization(
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> OrganizationOut:
+        """Every key of the organisation is refused (403 organization_suspended) until resumed."""
+        _platform_only(admin, "suspend organisations")
+        org = await orgs.visible(org_id, admin)
+        await orgs.set_status(org, "suspended", admin)
+        await announce(db_session, bus, [KeysChanged(org_id=org.id)])
+        return _out(org, OrganizationOut)
+
+    @post("/{org_id:str}/resume", status_code=200)
+    async def resume_organization(
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> OrganizationOut:
+        _platform_only(admin, "resume organisations")
+        org = await orgs.visible(org_id, admin)
+        await orgs.set_status(org, "active", admin)
+        await announce(db_session, bus, [KeysChanged(org_id=org.id)])
+        return _out(org, OrganizationOut)
+
+
+# --- users -------------------------------------------------------------------------------
+
+
+class UserController(Controller):
+    path = "/"
+    tags = ["Admin: users"]
+
+    @get("/organizations/{org_id:str}/users")
+    async def list_users(
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        users: NamedDependency[UserService],
+    ) -> list[UserOut]:
+        org = await orgs.visible(org_id, admin)
+        return [_out(u, UserOut) for u in await users.list_for_org(org.id)]
+
+    @post("/organizations/{org_id:str}/users")
+    async def create_user(
+        self,
+        org_id: FromPath[str],
+        data: JSONBody[UserCreate],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        users: NamedDependency[UserService],
+    ) -> UserOut:
+        org = await orgs.visible(org_id, admin)
+        user = await users.create_user(
+            org_id=org.id, email=data.email, password=data.password, role=data.role, actor=admin
+        )
+        return _out(user, UserOut)
+
+    @get("/users/{user_id:str}")
+    async def get_user(
+        self, user_id: FromPath[str], admin: NamedDependency[Principal], users: NamedDependency[UserService]
+    ) -> UserOut:
+        return _out(await users.visible(user_id, admin), UserOut)
+
+    @patch("/users/{user_id:str}")
+    async def update_user(
+        self,
+        user_id: FromPath[str],
+        data: JSONBody[UserUpdate],
+        admin: NamedDependency[Principal],
+        users: NamedDependency[UserService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> UserOut:
+        """Change role or password, or disable (which revokes the user's API keys) / enable."""
+        user = await users.visible(user_id, admin)
+        revoked = await users.update_user(user, data, admin)
+        if revoked:
+            await announce(db_session, bus, [KeysChanged(prefix=p) for p in revoked])
+        return _out(user, UserOut)
+
+
+# --- API keys ----------------------------------------------------------------------------
+
+
+class ApiKeyController(Controller):
+    path = "/"
+    tags = ["Admin: API keys"]
 
     @get("/organizations/{org_id:str}/keys")
     async def list_keys(
-        self, org_id: FromPath[str], admin: NamedDependency[ApiKey], keys: NamedDependency[ApiKeyService]
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        keys: NamedDependency[ApiKeyService],
     ) -> list[ApiKeyOut]:
-        _check_org(admin, org_id)
-        return [_key_out(k) for k in await keys.list_for_org(org_id)]
+        org = await orgs.visible(org_id, admin)
+        return [_out(k, ApiKeyOut) for k in await keys.list_for_org(org.id)]
 
     @post("/organizations/{org_id:str}/keys")
     async def create_key(
         self,
         org_id: FromPath[str],
         data: JSONBody[ApiKeyCreate],
-        admin: NamedDependency[ApiKey],
+        admin: NamedDependency[Principal],
         orgs: NamedDependency[OrganizationService],
         keys: NamedDependency[ApiKeyService],
-        request: Request,
+        settings: NamedDependency[Settings],
     ) -> ApiKeyCreated:
-        _check_org(admin, org_id)
-        org = await orgs.by_ref(org_id)
-        if data.role == "platform_admin" and admin.role != "platform_admin":
-            raise APIError(403, "Only platform admins create platform-admin keys.", param="role")
+        """The secret is in this answer only; it is stored as a keyed hash."""
+        org = await orgs.visible(org_id, admin)
         created = await keys.create_key(
             org_id=org.id,
-            secret_key=request.app.state.settings.secret_key,
+            secret_key=settings.secret_key or "",
             name=data.name,
             role=data.role,
             scopes=data.scopes,
             expires_at=data.expires_at,
+            user_id=data.user_id,
+            limits={
+                "requests_per_minute": data.requests_per_minute,
+                "tokens_per_minute": data.tokens_per_minute,
+                "request_burst": data.request_burst,
+                "token_burst": data.token_burst,
+                "max_concurrent": data.max_concurrent,
+            },
+            actor=admin,
         )
-        return msgspec.structs.replace(
-            msgspec.convert(created.key, ApiKeyCreated, from_attributes=True), secret=created.secret
-        )
+        return _created(created)
+
+    @get("/keys/{key_id:str}")
+    async def get_key(
+        self, key_id: FromPath[str], admin: NamedDependency[Principal], keys: NamedDependency[ApiKeyService]
+    ) -> ApiKeyOut:
+        return _out(await keys.visible(key_id, admin), ApiKeyOut)
+
+    @patch("/keys/{key_id:str}")
+    async def update_key(
+        self,
+        key_id: FromPath[str],
+        data: JSONBody[ApiKeyUpdate],
+        admin: NamedDependency[Principal],
+        keys: NamedDependency[ApiKeyService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> ApiKeyOut:
+        """Name, scopes, expiry and per-key limits; null clears a limit or the expiry."""
+        key = await keys.visible(key_id, admin)
+        key = await keys.update_key(key, data, admin)
+        await announce(db_session, bus, [KeysChanged(prefix=key.prefix)])
+        return _out(key, ApiKeyOut)
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(
         self,
         key_id: FromPath[str],
-        admin: NamedDependency[ApiKey],
+        admin: NamedDependency[Principal],
         keys: NamedDependency[ApiKeyService],
-        request: Request,
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
     ) -> ApiKeyOut:
-        org_id = None if admin.role == "platform_admin" else admin.org_id
-        key = await keys.revoke(key_id, org_id=org_id)
-        # Commit before telling the gateways, so the record they re-read is the revoked one.
-        await keys.repository.session.commit()
-        await request.app.state.bus.publish(KEYS, KeysChanged(prefix=key.prefix))
-        return _key_out(key)
+        key = await keys.revoke(key_id, org_id=None if admin.is_platform_admin else admin.org_id, actor=admin)
+        await announce(db_session, bus, [KeysChanged(prefix=key.prefix)])
+        return _out(key, ApiKeyOut)
+
+    @post("/keys/{key_id:str}/rotate")
+    async def rotate_key(
+        self,
+        key_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        keys: NamedDependency[ApiKeyService],
+        settings: NamedDependency[Settings],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> ApiKeyCreated:
+        """A new secret with the same name, scopes, expiry and limits; the old key is revoked
+        at once, everywhere."""
+        key = await keys.visible(key_id, admin)
+        created = await keys.rotate(key, secret_key=settings.secret_key or "", actor=admin)
+        await announce(db_session, bus, [KeysChanged(prefix=key.prefix)])
+        return _created(created)
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+class ModelController(Controller):
+    path = "/models"
+    tags = ["Admin: models"]
+
+    @get()
+    async def list_models(self, models: NamedDependency[ModelService]) -> list[ModelOut]:
+        return [_out(m, ModelOut) for m in await models.get_many(order_by=[(Model.name, False)])]
+
+    @post()
+    async def create_model(
+        self,
+        data: JSONBody[ModelCreate],
+        admin: NamedDependency[Principal],
+        models: NamedDependency[ModelService],
+    ) -> ModelOut:
+        _platform_only(admin, "add models")
+        return _out(await models.create_model(data, admin), ModelOut)
+
+    @get("/{model_id:str}")
+    async def get_model(self, model_id: FromPath[str], models: NamedDependency[ModelService]) -> ModelOut:
+        return _out(await models.get_ref(model_id), ModelOut)
+
+    @patch("/{model_id:str}")
+    async def update_model(
+        self,
+        model_id: FromPath[str],
+        data: JSONBody[ModelUpdate],
+        admin: NamedDependency[Principal],
+        models: NamedDependency[ModelService],
+    ) -> ModelOut:
+        _platform_only(admin, "change models")
+        return _out(await models.update_model(await models.get_ref(model_id), data, admin), ModelOut)
+
+    @delete("/{model_id:str}")
+    async def delete_model(
+        self,
+        model_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        models: NamedDependency[ModelService],
+    ) -> None:
+        _platform_only(admin, "delete models")
+        await models.delete_model(await models.get_ref(model_id), admin)
+
+
+# --- deployments -------------------------------------------------------------------------
+
+
+class DeploymentController(Controller):
+    path = "/deployments"
+    tags = ["Admin: deployments"]
+
+    @get()
+    async def list_deployments(
+        self,
+        admin: NamedDependency[Principal],
+        deployments: NamedDependency[DeploymentService],
+        org_id: Annotated[
+            str | None, QueryParameter(description="Only this organisation's dedicated ones.")
+        ] = None,
+    ) -> list[DeploymentOut]:
+        """The serverless deployments and the dedicated ones the caller may see."""
+        if org_id is not None and not admin.sees(org_id):
+            raise APIError(404, f"No organisation '{org_id}'.", code="not_found", param="org_id")
+        return [_deployment_out(d) for d in await deployments.list_visible(admin, org_id)]
+
+    @post()
+    async def create_deployment(
+        self,
+        data: JSONBody[DeploymentCreate],
+        admin: NamedDependency[Principal],
+        deployments: NamedDependency[DeploymentService],
+    ) -> DeploymentOut:
+        return _deployment_out(await deployments.create_deployment(data, admin))
+
+    @get("/{deployment_id:str}")
+    async def get_deployment(
+        self,
+        deployment_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        deployments: NamedDependency[DeploymentService],
+    ) -> DeploymentOut:
+        return _deployment_out(await deployments.visible(deployment_id, admin))
+
+    @patch("/{deployment_id:str}")
+    async def update_deployment(
+        self,
+        deployment_id: FromPath[str],
+        data: JSONBody[DeploymentUpdate],
+        admin: NamedDependency[Principal],
+        deployments: NamedDependency[DeploymentService],
+    ) -> DeploymentOut:
+        dep = await deployments.visible(deployment_id, admin)
+        return _deployment_out(await deployments.update_deployment(dep, data, admin))
+
+    @delete("/{deployment_id:str}")
+    async def delete_deployment(
+        self,
+        deployment_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        deployments: NamedDependency[DeploymentService],
+    ) -> None:
+        dep = await deployments.visible(deployment_id, admin)
+        await deployments.delete_deployment(dep, admin)
+
+
+# --- adapters ----------------------------------------------------------------------------
+
+_UPLOAD_HELP = (
+    "Upload a PEFT LoRA adapter as multipart/form-data: text fields 'name' and 'model' (the base "
+    f"model's id or name) and the files {lora.CONFIG_FILE} and {lora.WEIGHTS_FILE}."
+)
+
+
+def _upload_parts(form: Any) -> tuple[str, str, UploadFile, UploadFile]:
+    """(name, model, config file, weights file) of an adapter upload. Files are recognised
+    by file name or by field name, so `-F file=@adapter_config.json` and
+    `-F adapter_config.json=@x.json` both work."""
+    fields: dict[str, str] = {}
+    files: dict[str, UploadFile] = {}
+    for field, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            base = os.path.basename(value.filename or "")
+            if base == "adapter_model.bin" or field == "adapter_model.bin":
+                raise APIError(
+                    400,
+                    "Pickled adapter_model.bin files are not accepted (loading them runs code); "
+                    f"save the adapter with safetensors ({lora.WEIGHTS_FILE}).",
+                    param=lora.WEIGHTS_FILE,
+                )
+            for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+                if name in (base, field):
+                    if name in files:
+                        raise APIError(400, f"{name} was sent twice.", param=name)
+                    files[name] = value
+        else:
+            fields[field] = str(value)
+    for param in ("name", "model"):
+        if not fields.get(param, "").strip():
+            raise APIError(400, f"'{param}' is missing. {_UPLOAD_HELP}", param=param)
+    for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+        if name not in files:
+            raise APIError(400, f"{name} is missing. {_UPLOAD_HELP}", param=name)
+    return fields["name"], fields["model"].strip(), files[lora.CONFIG_FILE], files[lora.WEIGHTS_FILE]
+
+
+def _file_size(upload: UploadFile) -> int:
+    upload.file.seek(0, os.SEEK_END)
+    size = upload.file.tell()
+    upload.file.seek(0)
+    return size
+
+
+class AdapterController(Controller):
+    path = "/"
+    tags = ["Admin: adapters"]
+
+    @get("/organizations/{org_id:str}/adapters")
+    async def list_adapters(
+        self,
+        org_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        adapters: NamedDependency[AdapterService],
+    ) -> list[AdapterOut]:
+        org = await orgs.visible(org_id, admin)
+        return [_out(a, AdapterOut) for a in await adapters.list_for_org(org.id)]
+
+    @post("/organizations/{org_id:str}/adapters", request_max_body_size=MAX_ADAPTER_UPLOAD)
+    async def upload_adapter(
+        self,
+        org_id: FromPath[str],
+        request: Request[Any, Any, Any],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        adapters: NamedDependency[AdapterService],
+        storage: NamedDependency[Storage],
+        settings: NamedDependency[Settings],
+        db_session: NamedDependency[AsyncSession],
+    ) -> AdapterOut:
+        """Checked against the base model's layer shapes and the rank limit, then stored."""
+        org = await orgs.visible(org_id, admin)
+        if request.content_type[0] != "multipart/form-data":
+            raise APIError(415, _UPLOAD_HELP)
+        form = await request.form()
+        try:
+            name, model, config_file, weights_file = _upload_parts(form)
+            config_raw = await config_file.read((1 << 20) + 1)  # parse_config refuses more than 1 MiB
+            weights_size = await asyncio.to_thread(_file_size, weights_file)
+            adapter = await adapters.create_adapter(
+                org_id=org.id,
+                name=name,
+                model_ref=model,
+                config_raw=config_raw,
+                weights=weights_file.file,
+                weights_size=weights_size,
+                storage=storage,
+                cache_dir=settings.cache_dir,
+                max_rank=settings.max_lora_rank,
+                actor=admin,
+            )
+            out = _out(adapter, AdapterOut)
+            # Commit here, not after the handler: if it fails, the stored files go too.
+            try:
+                await db_session.commit()
+            except BaseException:
+                await asyncio.to_thread(remove_adapter_files, storage, adapter.storage_key or "")
+                raise
+            return out
+        finally:
+            for value in form.values():
+                if isinstance(value, UploadFile):
+                    await value.close()
+
+    @get("/adapters/{adapter_id:str}")
+    async def get_adapter(
+        self,
+        adapter_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        adapters: NamedDependency[AdapterService],
+    ) -> AdapterOut:
+        return _out(await adapters.visible(adapter_id, admin), AdapterOut)
+
+    @delete("/adapters/{adapter_id:str}")
+    async def delete_adapter(
+        self,
+        adapter_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        adapters: NamedDependency[AdapterService],
+        storage: NamedDependency[Storage],
+        db_session: NamedDependency[AsyncSession],
+    ) -> None:
+        """Removes the row and then the stored files."""
+        adapter = await adapters.visible(adapter_id, admin)
+        prefix = await adapters.delete_adapter(adapter, admin)
+        await db_session.commit()
+        if prefix:
+            await asyncio.to_thread(remove_adapter_files, storage, prefix)
+
+
+# --- plans -------------------------------------------------------------------------------
+
+
+class PlanController(Controller):
+    path = "/plans"
+    tags = ["Admin: plans"]
+
+    @get()
+    async def list_plans(self, plans: NamedDependency[PlanService]) -> list[PlanOut]:
+        return [_out(p, PlanOut) for p in await plans.get_many(order_by=[(Plan.name, False)])]
+
+    @post()
+    async def create_plan(
+        self,
+        data: JSONBody[PlanCreate],
+        admin: NamedDependency[Principal],
+        plans: NamedDependency[PlanService],
+    ) -> PlanOut:
+        _platform_only(admin, "create plans")
+        return _out(await plans.create_plan(data, admin), PlanOut)
+
+    @get("/{plan_id:str}")
+    async def get_plan(self, plan_id: FromPath[str], plans: NamedDependency[PlanService]) -> PlanOut:
+        return _out(await plans.get_ref(plan_id), PlanOut)
+
+    @patch("/{plan_id:str}")
+    async def update_plan(
+        self,
+        plan_id: FromPath[str],
+        data: JSONBody[PlanUpdate],
+        admin: NamedDependency[Principal],
+        plans: NamedDependency[PlanService],
+        db_session: NamedDependency[AsyncSession],
+        bus: NamedDependency[EventBus],
+    ) -> PlanOut:
+        """New limits apply to every organisation on the plan at once."""
+        _platform_only(admin, "change plans")
+        plan = await plans.get_ref(plan_id)
+        org_ids = await plans.update_plan(plan, data, admin)
+        await announce(db_session, bus, [KeysChanged(org_id=o) for o in org_ids])
+        return _out(plan, PlanOut)
+
+    @delete("/{plan_id:str}")
+    async def delete_plan(
+        self, plan_id: FromPath[str], admin: NamedDependency[Principal], plans: NamedDependency[PlanService]
+    ) -> None:
+        _platform_only(admin, "delete plans")
+        await plans.delete_plan(await plans.get_ref(plan_id), admin)
+
+
+# --- audit log ---------------------------------------------------------------------------
+
+
+class AuditController(Controller):
+    path = "/audit"
+    tags = ["Admin: audit log"]
+
+    @get()
+    async def list_audit(
+        self,
+        admin: NamedDependency[Principal],
+        audit: NamedDependency[AuditService],
+        org_id: FromQuery[str | None] = None,
+        resource_type: FromQuery[str | None] = None,
+        resource_id: FromQuery[str | None] = None,
+        action: FromQuery[str | None] = None,
+        actor_key_id: FromQuery[str | None] = None,
+        since: Annotated[
+            datetime | None, QueryParameter(description="Entries at or after (ISO 8601).")
+        ] = None,
+        until: Annotated[datetime | None, QueryParameter(description="Entries before (ISO 8601).")] = None,
+        after: Annotated[int | None, QueryParameter(description="`last_id` of the previous page.")] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=500)] = 100,
+    ) -> AuditPage:
+        """Every admin change, newest first: who, what, when, before and after. Platform
+        admins read all of it; organisation admins their organisation's."""
+        query = AuditQuery(
+            org_id=org_id,
+            resource_type=resource_type,
+            resource_id=resource_id,
+            action=action,
+            actor_key_id=actor_key_id,
+            since=since,
+            until=until,
+            after=after,
+            limit=limit,
+        )
+        rows, more = await audit.page(query, admin)
+        data = [_out(r, AuditEntryOut) for r in rows]
+        return AuditPage(
+            data=data,
+            has_more=more,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
+
+
+# --- the router --------------------------------------------------------------------------
+
+ADMIN_DEPENDENCIES = {
+    "admin": Provide(provide_admin, sync_to_thread=False),
+    "settings": Provide(provide_settings, sync_to_thread=False),
+    "bus": Provide(provide_bus, sync_to_thread=False),
+    "orgs": Provide(provide_orgs),
+    "users": Provide(provide_users),
+    "keys": Provide(provide_keys),
+    "models": Provide(provide_models),
+    "deployments": Provide(provide_deployments),
+    "adapters": Provide(provide_adapters),
+    "plans": Provide(provide_plans),
+    "audit": Provide(provide_audit),
+}
+
+
+def admin_router() -> Router:
+    """Everything under /admin/v1 of the control plane, behind the admin guard (a new
+    Router per app, so several apps in one process never share one)."""
+    return Router(
+        path="/admin/v1",
+        route_handlers=[
+            OrganizationController,
+            UserController,
+            ApiKeyController,
+            ModelController,
+            DeploymentController,
+            AdapterController,
+            PlanController,
+            AuditController,
+        ],
+        guards=[require_admin],
+        dependencies=ADMIN_DEPENDENCIES,
+    )

@@ -6,10 +6,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Numeric, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Numeric, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from tokenmill.db import Base, Timestamped, new_id
+from tokenmill.db import Base, Timestamped, new_id, utcnow
 
 ROLES = ("platform_admin", "org_admin", "member")
 
@@ -103,9 +103,14 @@ class Adapter(Timestamped, Base):
     org_id: Mapped[str] = mapped_column(ForeignKey("organizations.id", ondelete="CASCADE"), index=True)
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(200))
-    source: Mapped[str] = mapped_column(String(1000))
+    source: Mapped[str] = mapped_column(String(1000))  # full address, e.g. s3://bucket/prefix/adapters/...
     rank: Mapped[int] = mapped_column(default=8)
     target_modules: Mapped[list[str] | None] = mapped_column(JSON)
+    # Directory-like key in the storage (tokenmill.storage) holding adapter_config.json and
+    # adapter_model.safetensors; a worker with the same storage settings fetches from there.
+    storage_key: Mapped[str | None] = mapped_column(String(500))
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)  # both files together
+    sha256: Mapped[str | None] = mapped_column(String(64))  # of adapter_model.safetensors
 
 
 class Deployment(Timestamped, Base):
@@ -143,3 +148,29 @@ class Worker(Base):
     started_at: Mapped[datetime]
     last_seen_at: Mapped[datetime | None]
     stopped_at: Mapped[datetime | None]
+
+
+class AuditEntry(Base):
+    """One admin change: who, what, when, the resource before and after (secret-free
+    snapshots). Written in the same transaction as the change itself, so there is never a
+    change without its entry, nor an entry for a change that rolled back."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (
+        Index("ix_audit_log_org_at", "org_id", "at"),
+        Index("ix_audit_log_resource", "resource_type", "resource_id"),
+    )
+
+    # An increasing integer: the natural cursor of a newest-first listing.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    # Plain ids, not foreign keys: an entry outlives the key, user or organisation it names.
+    # Both None: the system (the CLI's admin commands, the first start's bootstrap).
+    actor_key_id: Mapped[str | None] = mapped_column(String(40))
+    actor_user_id: Mapped[str | None] = mapped_column(String(40))
+    org_id: Mapped[str | None] = mapped_column(String(40))  # None: platform-wide (models, plans)
+    action: Mapped[str] = mapped_column(String(40))
+    resource_type: Mapped[str] = mapped_column(String(40))
+    resource_id: Mapped[str] = mapped_column(String(64))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -13,6 +13,7 @@ organisation has a hard budget, which cannot be checked without it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -81,6 +82,7 @@ class Admitter:
         self.limiter = limiter
         self.sessionmaker = sessionmaker
         self._rates: dict[str, tuple[Rates, float]] = {}
+        self._loading_rates: dict[str, asyncio.Future[Rates]] = {}
         self._alerted: set[str] = set()
         self._month_cache: tuple[str, datetime, float, float] | None = None
 
@@ -97,14 +99,24 @@ class Admitter:
         hit = self._rates.get(model_id)
         if hit is not None and hit[1] > time.monotonic():
             return hit[0]
+        # Concurrent misses (every request in flight, when the entry expires) share one read.
+        fut = self._loading_rates.get(model_id)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load_rates(model_id))
+            self._loading_rates[model_id] = fut
+            fut.add_done_callback(lambda _: self._loading_rates.pop(model_id, None))
+        return await asyncio.shield(fut)
+
+    async def _load_rates(self, model_id: str) -> Rates:
         async with self.sessionmaker() as session:
             rates = await model_rates(session, model_id)
         self._rates[model_id] = (rates, time.monotonic() + RATES_TTL)
         return rates
 
     async def admit(
-        self, caller: Caller, model_id: str, request_id: str, prompt_tokens: int, max_tokens: int
+        self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
     ) -> Ticket:
+        """`model_id`: whose token prices apply; None when tokens are not billed (dedicated)."""
         q = caller.quota
         tag = f"{{{caller.org_id}}}"  # one Redis Cluster hash slot for all of an org's keys
         cost = prompt_tokens + max_tokens
@@ -130,7 +142,7 @@ class Admitter:
             for n, key in ((q.key_concurrent, f"k:{caller.key_id}"), (q.org_concurrent, "o"))
             if n
         ]
-        rates = await self.rates(model_id) if q.budget is not None else Rates()
+        rates = await self.rates(model_id) if q.budget is not None and model_id is not None else Rates()
         hold = None
         budget_key = None
         if q.budget is not None:

@@ -39,10 +39,10 @@ async def require_api_key(request: Request) -> None:
     request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
 
 
-# The handlers take the gateway and the caller (set by `require_api_key`) from the app and connection
-# state rather than as dependencies: Litestar resolves two dependencies of a handler
-# concurrently, in a task group per request, which costs more CPU than what the gateway
-# itself does with them.
+# The handlers take the gateway and the caller (set by `require_api_key`) from the app and
+# connection state rather than as dependencies: Litestar resolves two dependencies of a
+# handler concurrently, in a task group per request, which costs more CPU than what the
+# gateway itself does with them.
 
 
 def _gateway(request: Request) -> Gateway:

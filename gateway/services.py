@@ -44,6 +44,12 @@ class Target:
     defaults: dict[str, float]  # sampling parameters a request leaves out
     adapter_id: str | None = None
     kind: str = "generate"  # of the deployment: generate | embed
+    dedicated: bool = False  # billed by GPU-hour, so its tokens cost nothing per token
+
+    @property
+    def priced_model(self) -> str | None:
+        """The model whose token prices this request pays, if any."""
+        return None if self.dedicated else self.model_id
 
 
 class Gateway:
@@ -71,6 +77,7 @@ class Gateway:
         }
         self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
         self._targets: dict[tuple[str, str], tuple[Target, float]] = {}
+        self._resolving: dict[tuple[str, str], asyncio.Future[Target]] = {}
         self._delta = msgspec.json.Decoder(GenerateDelta)
         self._embedded = msgspec.json.Decoder(EmbedResponse)
 
@@ -108,6 +115,15 @@ class Gateway:
         hit = self._targets.get(key)
         if hit is not None and hit[1] > time.monotonic():
             return hit[0]
+        # Concurrent misses (every request in flight, when an entry expires) share one read.
+        fut = self._resolving.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._load_target(org_id, name))
+            self._resolving[key] = fut
+            fut.add_done_callback(lambda _: self._resolving.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def _load_target(self, org_id: str, name: str) -> Target:
         async with self.sessionmaker() as session:
             dep, model, adapter = await CatalogService(session).resolve(name, org_id)
         target = Target(
@@ -119,10 +135,11 @@ class Gateway:
             (dep.config or {}).get("sampling") or {},
             adapter.id if adapter else None,
             dep.kind,
+            dep.type == "dedicated",
         )
         if len(self._targets) >= CATALOG_MAX:  # many orgs x names: start over rather than grow
             self._targets.clear()
-        self._targets[key] = (target, time.monotonic() + CATALOG_TTL)
+        self._targets[(org_id, name)] = (target, time.monotonic() + CATALOG_TTL)
         return target
 
     async def tokenizer(self, target: Target) -> Tokenizer:
@@ -158,7 +175,7 @@ class Gateway:
         (finish, error, client gone), and the limits and budget hold are settled.
         """
         ticket = await self.admitter.admit(
-            caller, target.model_id, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
+            caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
         )
         if headers is not None:
             headers.update(ticket.headers)
@@ -224,7 +241,7 @@ class Gateway:
         """Embeddings of tokenized inputs from a worker of the embed deployment; admitted,
         retried on another worker when one fails, metered once like a generation."""
         tokens = sum(len(i) for i in inputs)
-        ticket = await self.admitter.admit(caller, target.model_id, request_id, tokens, 0)
+        ticket = await self.admitter.admit(caller, target.priced_model, request_id, tokens, 0)
         if headers is not None:
             headers.update(ticket.headers)
         body = msgspec.json.encode(EmbedRequest(request_id=request_id, inputs=inputs))
@@ -293,10 +310,6 @@ class Gateway:
         ttft: float | None,
         duration: float,
     ) -> None:
-        # Shielded: a cancelled request (client gone) must still settle and be metered.
-        await asyncio.shield(
-            self.admitter.settle(ticket, last.prompt_tokens, last.cached_tokens, last.completion_tokens)
-        )
         record = UsageRecord(
             request_id=ticket.request_id,
             org_id=caller.org_id,
@@ -312,10 +325,16 @@ class Gateway:
             status=status,
             ts=time.time(),
         )
+        # Both at once (on Redis they go out in one write), shielded: a cancelled request
+        # (client gone) must still settle and be metered.
+        settle = self.admitter.settle(ticket, last.prompt_tokens, last.cached_tokens, last.completion_tokens)
+        await asyncio.shield(asyncio.gather(settle, self._publish(record)))
+
+    async def _publish(self, record: UsageRecord) -> None:
         try:
-            await asyncio.shield(self.publisher.publish(USAGE, record))
+            await self.publisher.publish(USAGE, record)
         except Exception:
-            log.exception("could not publish usage event %s", ticket.request_id)
+            log.exception("could not publish usage event %s", record.request_id)
 
 
 class _WorkerFailed(Exception):

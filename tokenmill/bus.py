@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import httpx
 import msgspec
 
+from tokenmill.protocol import USAGE
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
@@ -44,6 +46,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAXLEN = 100_000
+# Usage events must outlast a consumer outage (each is money): ~20 minutes at 1,500 events/s.
+# Trimming by the ledger consumer's progress (XTRIM MINID) would bound it by need instead.
+STREAM_MAXLEN: dict[str, int | None] = {USAGE: 2_000_000}
+
+
+def stream_maxlen_of(overrides: Mapping[str, int | None] | None) -> dict[str, int | None]:
+    """Per-stream caps: the defaults above, then `overrides`."""
+    return {**STREAM_MAXLEN, **(overrides or {})}
+
+
 # Field holding the JSON payload in a Redis stream entry.
 FIELD = b"d"
 
@@ -177,7 +189,7 @@ class MemoryBus(EventBus):
         self, *, maxlen: int = DEFAULT_MAXLEN, stream_maxlen: Mapping[str, int | None] | None = None
     ):
         self._maxlen = maxlen
-        self._stream_maxlen = dict(stream_maxlen or {})
+        self._stream_maxlen = stream_maxlen_of(stream_maxlen)
         self._streams: dict[str, _Stream] = {}
         # (stream, group, consumer) -> position in the consumer's pending entries while
         # replaying them; None once caught up (then new entries are delivered).
@@ -367,8 +379,8 @@ class RedisBus(EventBus):
         max_block: float = 4.0,
     ):
         self._redis = redis
-        self._maxlen = maxlen
-        self._stream_maxlen = dict(stream_maxlen or {})
+        self.maxlen = maxlen
+        self.stream_maxlen = stream_maxlen_of(stream_maxlen)
         self._owns_client = owns_client
         self._max_block = max_block
         self._groups: set[tuple[str, str]] = set()
@@ -390,7 +402,7 @@ class RedisBus(EventBus):
         return max(1, int(min(block, self._max_block) * 1000))
 
     async def publish(self, stream: str, event: Event) -> str:
-        maxlen = self._stream_maxlen.get(stream, self._maxlen)
+        maxlen = self.stream_maxlen.get(stream, self.maxlen)
         entry_id = await self._redis.xadd(stream, {FIELD: encode(event)}, maxlen=maxlen, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 

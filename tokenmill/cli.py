@@ -66,6 +66,8 @@ class Parts:
     admin: bool = False
     internal_bus: bool = False
     consumers: bool = False
+    # The periodic billing jobs in-process (`serve` only; production runs Celery beat).
+    scheduler: bool = False
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
 
 
@@ -95,14 +97,31 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from gateway.keys import KeyCache
         from gateway.services import Gateway
         from gateway.upstream import Upstream
-        from tokenmill.limits import make_limiter
+        from tokenmill.bus import Publisher, RedisBus
+        from tokenmill.limits import RateLimiter, RedisRateLimiter, make_limiter
+        from tokenmill.resp import RespClient, RespPublisher
         from tokenmill.spool import SpoolingPublisher
 
         fleet = FleetView(bus, timeout=settings.worker_timeout_seconds, routing=settings.routing)
         keys = KeyCache(settings, bus, sessionmaker)
-        limiter = make_limiter(settings)
+        limiter: RateLimiter
+        publisher: Publisher
+        try:
+            redis = RespClient.from_url(settings.redis_url) if settings.redis_url else None
+        except ValueError:  # a URL only redis-py reads (e.g. sentinel)
+            redis = None
+        if redis is not None:
+            # The three Redis calls of every request (admission, settling, the usage event)
+            # share one lean pipelined connection; the bus keeps redis-py for its readers.
+            limiter = RedisRateLimiter(redis)
+            assert isinstance(bus, RedisBus)
+            # trimmed exactly as the bus trims
+            publisher = RespPublisher(redis, maxlen=bus.maxlen, stream_maxlen=bus.stream_maxlen)
+            closers.append(redis.aclose)
+        else:
+            limiter, publisher = make_limiter(settings), bus
         # Usage events wait on disk while the bus is unreachable, and are replayed in order.
-        usage = SpoolingPublisher(bus, settings.spool_path)
+        usage = SpoolingPublisher(publisher, settings.spool_path)
         services += [fleet, keys, usage]
         upstream = Upstream()  # keep-alive connections to the workers
         closers += [limiter.close, upstream.aclose]
@@ -117,14 +136,33 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         )
         handlers.append(OpenAIController)
     if parts.admin:
-        from control_plane.controllers import AdminController
+        from control_plane.controllers import admin_router
+        from tokenmill.storage import open_storage
 
-        handlers.append(AdminController)
+        # Adapter (and weight) files: one store per app, handed to handlers as `storage`.
+        storage = open_storage(settings)
+        state["storage"] = storage
+        dependencies["storage"] = Provide(lambda: storage, sync_to_thread=False)
+        handlers.append(admin_router())
+        from billing.controllers import billing_router
+
+        handlers.append(billing_router())  # prices, rollups, invoices, exports
+        from billing.controllers import StripeWebhookController
+
+        handlers.append(StripeWebhookController)  # POST /webhooks/stripe (signed by Stripe, no API key)
     if parts.consumers:
         from billing.services import UsageConsumer
         from control_plane.services import WorkerLifetimes
 
         services += [UsageConsumer(bus, sessionmaker, consumer), WorkerLifetimes(bus, sessionmaker, consumer)]
+    if parts.scheduler:
+        from billing.schedule import InProcessScheduler
+
+        scheduler = InProcessScheduler(
+            settings, sessionmaker, state_path=settings.home_dir / "scheduler-state.json"
+        )
+        services.append(scheduler)
+        state["scheduler"] = scheduler
     if parts.internal_bus:
         from tokenmill.internal import internal_router
 
@@ -283,6 +321,7 @@ async def _serve(settings: Settings) -> None:
     )
     url = f"http://{settings.host}:{settings.port}"
     parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
+    parts.scheduler = settings.scheduler
     app = create_app(settings, engine, parts)
     provider = LocalProcessProvider(
         env={
@@ -441,6 +480,41 @@ def migrate(action: str, revision: str | None) -> None:
     click.echo(f"database at revision {migrations.current(settings.db_url) or 'none (empty)'}")
 
 
+# --- celery -----------------------------------------------------------------------------
+
+
+@main.group()
+def celery() -> None:
+    """Celery worker and beat for the periodic billing jobs (production: needs DATABASE_URL and
+    REDIS_URL or TOKENMILL_CELERY_BROKER_URL). Further arguments go to celery."""
+
+
+def _celery_main(command: str, args: tuple[str, ...]) -> None:
+    settings = _settings()
+    missing = [] if settings.database_url else ["DATABASE_URL"]
+    if not (settings.celery_broker_url or settings.redis_url):
+        missing.append("REDIS_URL (or TOKENMILL_CELERY_BROKER_URL)")
+    if missing:
+        _fail(f"set {', '.join(missing)}; `tokenmill serve` runs the jobs in-process instead", 2)
+    from billing.celery_app import app
+
+    sys.exit(app.start(argv=[command, *args]))
+
+
+@celery.command("worker", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def celery_worker(args: tuple[str, ...]) -> None:
+    """Run a Celery worker for the billing jobs (e.g. --concurrency 2)."""
+    _celery_main("worker", args)
+
+
+@celery.command("beat", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def celery_beat(args: tuple[str, ...]) -> None:
+    """Run Celery beat, which sends the billing jobs on schedule; run exactly one."""
+    _celery_main("beat", args)
+
+
 # --- admin ------------------------------------------------------------------------------
 
 
@@ -474,6 +548,31 @@ def _admin_run(fn: Callable[[Any, Settings], Any]) -> Any:
         return asyncio.run(run())
     except APIError as exc:
         _fail(exc.message, 1)
+
+
+@admin.command("export")
+@click.argument("what", type=click.Choice(["usage", "rollups", "invoices"]))
+@click.option("--format", "fmt", type=click.Choice(["csv", "json"]), default="csv", show_default=True)
+@click.option("--from", "start", help="Start, ISO 8601 date or time, UTC [default: this month's start].")
+@click.option("--to", "end", help="End, exclusive [default: now].")
+@click.option("--org", "org_ref", help="Organisation id or name [default: all].")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write to a file [default: stdout].")
+def export(
+    what: str, fmt: str, start: str | None, end: str | None, org_ref: str | None, output: str | None
+) -> None:
+    """Export per-request usage, hourly rollups or invoices as CSV or JSON, streamed from the
+    database (any range in bounded memory)."""
+    from billing.services import export_query, stream_export
+    from control_plane.services import OrganizationService
+
+    async def go(session: Any, _: Settings) -> None:
+        org_id = (await OrganizationService(session=session).by_ref(org_ref)).id if org_ref else None
+        query = export_query(what, fmt, start, end, org_id)
+        with click.open_file(output or "-", "wb") as out:  # "-": stdout, left open
+            async for chunk in stream_export(session, query):
+                out.write(chunk)
+
+    _admin_run(go)
 
 
 @admin.command("create-org")

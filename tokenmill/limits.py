@@ -32,6 +32,7 @@ ledger) the first time it is missing: `admit` then changes nothing and says so.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import secrets
 import time
@@ -522,6 +523,10 @@ class RedisRateLimiter(RateLimiter):
         self._prefix = prefix
         self._owns_client = owns_client
         self._sha = hashlib.sha1(_LUA.encode()).hexdigest()
+        # Slot members need only be unique: a random prefix per limiter and a counter (no
+        # system call for randomness on every request).
+        self._member = secrets.token_hex(8) + ":"
+        self._members = itertools.count()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisRateLimiter:
@@ -575,7 +580,7 @@ class RedisRateLimiter(RateLimiter):
             limit.validate()
             args += [limit.interval * 1e6, limit.capacity, limit.cost, limit.period * 1e6]
         for slot in slots:
-            args += [slot.limit, slot.ttl * 1e6, secrets.token_hex(8)]
+            args += [slot.limit, slot.ttl * 1e6, f"{self._member}{next(self._members)}"]
         if hold is not None:
             keys += self._budget_keys(hold.key)
             args += [hold.id, hold.amount, -1 if hold.cap is None else hold.cap, hold.ttl * 1e6]

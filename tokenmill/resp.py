@@ -1,17 +1,20 @@
 """A lean Redis client for the request path: one pipelined connection, replies parsed by hiredis.
 
-The gateway makes one or two Redis calls per request (the admission script, and the one
-that settles). redis-py's asyncio client spends about 40 µs of CPU on each (a pool
-checkout, retry and observability wrappers, per-argument encoding); this client spends
-about 7: every caller writes its command on the same connection at once and awaits its
-reply, which arrive in order (RESP pipelining, what Redis is built for). It implements
-`execute_command(*args)` and nothing else; everything that is not on the request path
-keeps using redis-py.
+Each gateway request makes three Redis calls: the admission script, the one that settles,
+and the usage event. redis-py's asyncio client spends about 40 µs of CPU on each (a pool
+checkout, retry and observability wrappers, per-argument encoding); this client about 7:
+every caller queues its command on the one connection, the commands of an event loop
+turn go out in one write, and the replies come back in order (RESP pipelining, what
+Redis is built for). It implements `execute_command(*args)` and nothing else; everything
+off the request path keeps using redis-py.
 
 Replies are what redis-py returns without `decode_responses`: bytes, ints, lists, None.
 An error reply raises `ResponseError` (its message starts with the Redis error code, e.g.
 `NOSCRIPT`). When the connection fails, the commands waiting on it raise
-`RespConnectionError` (they may or may not have run); the next command reconnects.
+`RespConnectionError` (they may or may not have run); the next command reconnects. Both
+are redis-py exception classes too, so code that catches redis-py's errors catches these.
+
+`RespPublisher` publishes events with it exactly as `RedisBus.publish` does.
 
 URLs: `redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS) and
 `unix://[[user]:password@]/path[?db=N]`, as redis-py reads them.
@@ -22,18 +25,24 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
+import redis.exceptions
+
+from tokenmill.bus import DEFAULT_MAXLEN, FIELD, Event, stream_maxlen_of
+from tokenmill.bus import encode as encode_event
 
 
-class ResponseError(Exception):
-    """Redis answered with an error."""
+class ResponseError(redis.exceptions.ResponseError):
+    """Redis answered with an error (a redis-py `ResponseError`, so callers catch both alike)."""
 
 
-class RespConnectionError(ConnectionError):
-    """Redis could not be reached, or the connection failed before the reply arrived."""
+class RespConnectionError(redis.exceptions.ConnectionError, ConnectionError):
+    """Redis could not be reached, or the connection failed before the reply arrived (a
+    redis-py `ConnectionError` and an `OSError`)."""
 
 
 def encode(args: tuple[Any, ...]) -> bytes:
@@ -218,3 +227,31 @@ class RespClient:
         conn, self._conn = self._conn, None
         if conn is not None and conn.transport is not None:
             conn.transport.close()
+
+
+class RespPublisher:
+    """A `Publisher` on a `RespClient`: the same stream entries as `RedisBus.publish` (one
+    field holding the JSON event; trimmed with `MAXLEN ~ maxlen`, none when None)."""
+
+    def __init__(
+        self,
+        client: RespClient,
+        *,
+        maxlen: int | None = DEFAULT_MAXLEN,
+        stream_maxlen: Mapping[str, int | None] | None = None,
+        owns_client: bool = False,
+    ) -> None:
+        self.client = client
+        self._maxlen = maxlen
+        self._stream_maxlen = stream_maxlen_of(stream_maxlen)
+        self._owns_client = owns_client
+
+    async def publish(self, stream: str, event: Event) -> str:
+        maxlen = self._stream_maxlen.get(stream, self._maxlen)
+        trim = () if maxlen is None else ("MAXLEN", "~", maxlen)
+        entry_id = await self.client.execute_command("XADD", stream, *trim, "*", FIELD, encode_event(event))
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUNDLED_MODEL = "bundled:smollm2"
@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     spawn_worker: bool = Field(default=True, description="Whether `serve` starts a local worker.")
     worker_host: str = Field(default="127.0.0.1", description="Address a worker listens on.")
     worker_port: int = Field(default=0, description="Port a worker listens on; 0 picks a free one.")
+    gpu_type: str | None = Field(
+        default=None,
+        description="The accelerator a worker runs on, as the price book names it (GPU-hour billing).",
+    )
     worker_wait_seconds: float = Field(
         default=120.0, description="How long a request waits for a worker of its deployment to appear."
     )
@@ -86,6 +90,74 @@ class Settings(BaseSettings):
     )
     default_max_concurrent: int = Field(
         default=64, description="Concurrent requests of an organisation without a plan; 0 = no limit."
+    )
+    celery_broker_url: str | None = Field(
+        default=None,
+        description="Broker and result backend of the Celery workers and beat; default REDIS_URL.",
+    )
+    job_time_limit_seconds: int = Field(
+        default=3600,
+        gt=60,
+        description="Hard time limit of one periodic billing job or export (soft limit: 60 s earlier).",
+    )
+    scheduler: bool = Field(
+        default=True,
+        description="Whether `serve` runs the periodic billing jobs in-process; turn off when Celery "
+        "beat runs them against the same database.",
+    )
+    rollup_minute: int = Field(
+        default=5, ge=0, le=59, description="Minute past each hour at which the last full hours roll up."
+    )
+    rollup_lookback_hours: int = Field(
+        default=3,
+        ge=1,
+        description="Full hours each hourly rollup recomputes, so usage that reaches the ledger late "
+        "(replayed from a spool) is still counted.",
+    )
+    invoice_hour: int = Field(
+        default=0,
+        ge=0,
+        le=23,
+        description="UTC hour at which draft invoices are refreshed daily (and the previous month is "
+        "finalized on the 1st).",
+    )
+    invoice_minute: int = Field(
+        default=30,
+        ge=0,
+        le=59,
+        description="Minute past `invoice_hour` of the daily invoice job.",
+    )
+    stripe_sync_minutes: int = Field(
+        default=15, ge=0, description="Interval of the Stripe sync job in minutes; 0 turns it off."
+    )
+    # Secrets as SecretStr: a logged or printed Settings shows '**********', never the key.
+    stripe_api_key: SecretStr | None = Field(
+        default=None, description="Stripe secret API key (`sk_...`); unset: nothing is sent to Stripe."
+    )
+    stripe_webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="Signing secret (`whsec_...`) of the Stripe webhook endpoint `/webhooks/stripe`; "
+        "unset: the endpoint answers 503.",
+    )
+    stripe_api_base: str | None = Field(
+        default=None, description="Base URL of the Stripe API; default Stripe's own (tests use a fake)."
+    )
+    stripe_meter_prefix: str = Field(
+        default="tokenmill_",
+        description="Prefix of the Stripe meter event names in `meters` mode: `<prefix>input_tokens`, "
+        "`<prefix>cached_input_tokens`, `<prefix>output_tokens`, `<prefix>gpu_seconds`.",
+    )
+    storage_url: str | None = Field(
+        default=None,
+        description="Where weights and adapter files are stored: `file:///path` or `s3://bucket/prefix`; "
+        "default HOME/storage.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="Endpoint of an S3-compatible server (MinIO, Ceph...); default AWS."
+    )
+    s3_region: str | None = Field(default=None, description="S3 region; default boto3's configuration.")
+    max_lora_rank: int = Field(
+        default=64, ge=1, description="Largest LoRA rank an uploaded adapter may have."
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 

@@ -299,6 +299,7 @@ async def _beat(
                 address=identity.address,
                 model=identity.model,
                 capacity=1,
+                gpu_type=settings.gpu_type,
                 ts=time.time(),
             )
         else:

@@ -299,3 +299,23 @@ async def test_soft_budget_warns_once_and_never_refuses(gateway_env: Env) -> Non
         logger.removeHandler(handler)
     warnings = [r for r in records if "over its monthly budget" in r.getMessage()]
     assert len(warnings) == 1
+
+
+async def test_dedicated_deployments_do_not_spend_the_token_budget(gateway_env: Env) -> None:
+    """Dedicated deployments are billed by GPU-hour: their tokens must not use up a budget."""
+    await gateway_env.add_worker()
+    gw = gateway_env.app.state.gateway
+    target = await gw.resolve(await gw.authenticate(f"Bearer {gateway_env.admin_key}"), MODEL)
+    async with gateway_env.app.state.sessionmaker() as s, s.begin():
+        s.add(Price(model_id=target.model_id, input_per_mtok=Decimal(10**6), output_per_mtok=Decimal(10**6)))
+    key = await new_key(
+        gateway_env, "dedi-org", plan=Plan(name="cent", monthly_budget=Decimal("0.01"), budget_mode="hard")
+    )
+    org_id = (await gw.authenticate(f"Bearer {key}")).org_id
+    dep = await gateway_env.dedicated("dedi-smol", org_id)
+    await gateway_env.add_worker_for(dep)
+    for _ in range(3):
+        await chat(gateway_env, key, model="dedi-smol")
+    with pytest.raises(openai.RateLimitError) as err:  # one token of the shared model costs $1
+        await chat(gateway_env, key)
+    assert err.value.body["code"] == "insufficient_quota"
