@@ -25,7 +25,7 @@ from itertools import pairwise
 from typing import Any
 
 import msgspec
-from sqlalchemy import BigInteger, Integer, cast, delete, extract, func, literal_column, or_, select
+from sqlalchemy import BigInteger, Integer, cast, delete, extract, func, literal_column, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
@@ -370,10 +370,58 @@ def _row(rec: UsageRecord) -> dict[str, Any]:
     }
 
 
+# PostgreSQL: a whole batch as one array per column, through one fixed statement (prepared
+# once per connection; no per-batch SQL compilation or thirteen binds per row).
+_LEDGER_COLUMNS = (
+    ("request_id", "varchar"),
+    ("org_id", "varchar"),
+    ("api_key_id", "varchar"),
+    ("model", "varchar"),
+    ("adapter", "varchar"),
+    ("deployment_id", "varchar"),
+    ("prompt_tokens", "int4"),
+    ("cached_tokens", "int4"),
+    ("completion_tokens", "int4"),
+    ("ttft_ms", "float8"),
+    ("duration_ms", "float8"),
+    ("status", "varchar"),
+    ("created_at", "timestamptz"),
+)
+_LEDGER_INSERT = text(
+    f"INSERT INTO usage_events ({', '.join(c for c, _ in _LEDGER_COLUMNS)}) "
+    f"SELECT * FROM unnest({', '.join(f'CAST(:{c} AS {t}[])' for c, t in _LEDGER_COLUMNS)}) "
+    "ON CONFLICT (request_id) DO NOTHING"
+)
+
+
+def _columns(records: list[UsageRecord]) -> dict[str, list[Any]]:
+    """The batch column-wise, as `_row` would store each record."""
+    now = utcnow()
+    fromtimestamp = datetime.fromtimestamp
+    return {
+        "request_id": [r.request_id for r in records],
+        "org_id": [r.org_id for r in records],
+        "api_key_id": [r.api_key_id for r in records],
+        "model": [r.model for r in records],
+        "adapter": [r.adapter for r in records],
+        "deployment_id": [r.deployment_id for r in records],
+        "prompt_tokens": [r.prompt_tokens for r in records],
+        "cached_tokens": [r.cached_tokens for r in records],
+        "completion_tokens": [r.completion_tokens for r in records],
+        "ttft_ms": [r.ttft_ms for r in records],
+        "duration_ms": [r.duration_ms for r in records],
+        "status": [r.status for r in records],
+        "created_at": [fromtimestamp(r.ts, UTC) if r.ts else now for r in records],
+    }
+
+
 async def record_usage(session: AsyncSession, records: list[UsageRecord]) -> int:
     """Insert records, skipping request ids already in the ledger. Returns rows inserted."""
     if not records:
         return 0
+    if _dialect(session) == "postgresql":
+        result = await session.execute(_LEDGER_INSERT, _columns(records))
+        return result.rowcount or 0  # type: ignore[attr-defined]
     stmt = (
         _insert(session)(UsageEvent)
         .values([_row(r) for r in records])
@@ -390,7 +438,9 @@ class UsageConsumer(GroupConsumer):
     name = "usage-consumer"
     stream = USAGE
     group = "billing-ledger"
-    count = 500
+    # Events per batch (one transaction, then one XACK): 2000 measured 1.1-1.5x the events/s
+    # of 500 (bench/billing.py); a failed batch is redelivered whole, which the ledger absorbs.
+    count = 2000
 
     def __init__(self, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], consumer: str) -> None:
         super().__init__(bus, consumer)

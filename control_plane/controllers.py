@@ -235,13 +235,14 @@ class OrganizationController(Controller):
         db_session: NamedDependency[AsyncSession],
         bus: NamedDependency[EventBus],
     ) -> OrganizationOut:
-        """Rename (its own admins may) or assign a plan (`plan_id`, null for the default
-        tier; platform admins only)."""
+        """Rename (its own admins may), assign a plan (`plan_id`, null for the default tier)
+        or set how Stripe bills it (`billing_mode`); the last two for platform admins only."""
         org = await orgs.visible(org_id, admin)
-        if data.plan_id is not msgspec.UNSET and not admin.is_platform_admin:
-            raise APIError(
-                403, "Only platform admins assign plans.", code="insufficient_permissions", param="plan_id"
-            )
+        for param in ("plan_id", "billing_mode"):
+            if getattr(data, param) is not msgspec.UNSET and not admin.is_platform_admin:
+                raise APIError(
+                    403, f"Only platform admins set {param}.", code="insufficient_permissions", param=param
+                )
         if await orgs.update_org(org, data, admin):
             await announce(db_session, bus, [KeysChanged(org_id=org.id)])
         return _out(org, OrganizationOut)

@@ -37,6 +37,8 @@ class OrganizationCreate(_Body):
 class OrganizationUpdate(_Body):
     name: Name | UnsetType = UNSET
     plan_id: str | UnsetType | None = UNSET  # null: the platform's default tier
+    # How Stripe bills it (never both): local invoices mirrored, or usage as meter events.
+    billing_mode: Literal["none", "invoices", "meters"] | UnsetType = UNSET
 
 
 class OrganizationOut(msgspec.Struct):

@@ -231,6 +231,10 @@ class OrganizationService(SQLAlchemyAsyncRepositoryService[Organization]):
             if changes["plan_id"] is not None:
                 await _plan_ref(session, changes["plan_id"])
             org.plan_id = changes["plan_id"]
+        if "billing_mode" in changes:
+            # Switching never bills a period twice: billing/stripe_sync.py keeps meters and
+            # mirrored invoices apart by period.
+            org.billing_mode = changes["billing_mode"]
         await _flush_unique(session, f"An organisation named '{org.name}' already exists.", "name")
         await record_change(
             session, actor, "update", "organization", org.id, org_id=org.id, before=before, after=org

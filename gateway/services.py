@@ -294,6 +294,9 @@ class Gateway:
 
     async def _stream(self, worker: WorkerState, body: bytes) -> AsyncIterator[GenerateDelta]:
         async with self.upstream.post(worker.address, "/generate", body, self._internal) as r:
+            if r.status_code == 400:  # the engine's own validation: the caller's fault, not the worker's
+                err = msgspec.json.decode(await r.read()).get("error", {})
+                raise APIError(400, err.get("message", "Invalid request."), param=err.get("param"))
             if r.status_code != 200:
                 detail = (await r.read())[:500]
                 raise _WorkerFailed(f"status {r.status_code}: {detail!r}")

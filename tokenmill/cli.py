@@ -47,7 +47,25 @@ def _settings(**overrides: Any) -> Settings:
     )
     # Alembic narrates every step at INFO; the commands say what matters themselves.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # Database and HTTP libraries log statements with their parameters (key hashes, password
+    # hashes, cache salts) or headers at DEBUG: never let TOKENMILL_LOG_LEVEL open them.
+    for noisy in _SECRET_BEARING_LOGGERS:
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     return settings
+
+
+_SECRET_BEARING_LOGGERS = (
+    "aiosqlite",
+    "asyncpg",
+    "sqlalchemy.engine",
+    "sqlalchemy.pool",
+    "httpcore",
+    "hpack",
+    "botocore",
+    "boto3",
+    "urllib3",
+    "stripe",
+)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -224,7 +242,12 @@ async def _serve_app(
             yield
 
     config = uvicorn.Config(
-        app, log_config=None, access_log=False, timeout_graceful_shutdown=10, lifespan="on"
+        app,
+        log_config=None,
+        # One line per request (method, path, status; never headers) when debugging.
+        access_log=settings.log_level.upper() == "DEBUG",
+        timeout_graceful_shutdown=10,
+        lifespan="on",
     )
     server = Server(config)
     loop = asyncio.get_running_loop()

@@ -63,6 +63,7 @@ async def test_org_admins_cannot_do_platform_things(admin_env: AdminEnv) -> None
         ("POST", "/plans", {"name": "gold"}),
         ("POST", f"/organizations/{a.id}/suspend", None),
         ("PATCH", f"/organizations/{a.id}", {"plan_id": None}),
+        ("PATCH", f"/organizations/{a.id}", {"billing_mode": "invoices"}),
         ("POST", "/deployments", {"name": "shared2", "model": MODEL, "type": "serverless"}),
         ("POST", f"/organizations/{a.id}/keys", {"role": "platform_admin"}),
         (
@@ -583,3 +584,12 @@ async def test_openapi_document_describes_the_admin_api(admin_env: AdminEnv) -> 
         f"{API}/plans/{{plan_id}}",
         f"{API}/audit",
     } <= paths
+
+
+async def test_platform_admin_sets_the_billing_mode(admin_env: AdminEnv) -> None:
+    a = await admin_env.org("org-billed")
+    c = admin_env.client
+    r = await c.patch(f"{API}/organizations/{a.id}", headers=admin_env.root, json={"billing_mode": "meters"})
+    assert r.status_code == 200 and r.json()["billing_mode"] == "meters"
+    r = await c.patch(f"{API}/organizations/{a.id}", headers=admin_env.root, json={"billing_mode": "both"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "billing_mode"

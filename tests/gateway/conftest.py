@@ -179,8 +179,8 @@ class Env:
         return str(r.json()["secret"])
 
     async def dedicated(self, name: str, org_id: str, model: str = BUNDLED_NAME) -> str:
-        """Id of a new dedicated deployment of `model` owned by `org_id`. Written to the table
-        directly: the admin API has no deployment endpoints yet."""
+        """Id of a new dedicated deployment of `model` owned by `org_id`, written to the table
+        directly (the admin API's deployment endpoints are tested in tests/control_plane)."""
         async with self.app.state.sessionmaker() as session, session.begin():
             model_id = await session.scalar(select(Model.id).where(Model.name == model))
             assert model_id is not None, model

@@ -12,13 +12,14 @@ from decimal import Decimal
 
 import openai
 import pytest
+from litestar import Litestar, Response, post
 from sqlalchemy import select, update
 
 from billing.models import Price
 from control_plane.models import Adapter, ApiKey, Organization, Plan
 from control_plane.services import ApiKeyService, OrganizationService
 from gateway.admission import _duration, units
-from tests.gateway.conftest import Env
+from tests.gateway.conftest import Env, serve
 from tests.gateway.test_api import HELLO, MODEL, ledger, sdk
 from tokenmill.db import utcnow
 from tokenmill.hashing import extra_keys, hash_blocks
@@ -319,3 +320,23 @@ async def test_dedicated_deployments_do_not_spend_the_token_budget(gateway_env: 
     with pytest.raises(openai.RateLimitError) as err:  # one token of the shared model costs $1
         await chat(gateway_env, key)
     assert err.value.body["code"] == "insufficient_quota"
+
+
+async def test_a_request_the_worker_refuses_is_a_400_not_a_retry(gateway_env: Env) -> None:
+    """A worker's 400 (e.g. an adapter it cannot serve) is the caller's problem: passed on
+    as is, not retried elsewhere as if the worker had failed."""
+    calls: list[int] = []
+
+    @post("/generate", status_code=200)
+    async def refuse() -> Response:
+        calls.append(1)
+        body = {"error": {"message": "this worker does not serve adapters", "type": "invalid_request_error",
+                          "param": "adapter", "code": None}}  # fmt: skip
+        return Response(body, status_code=400)
+
+    async with serve(Litestar([refuse])) as url:
+        await gateway_env.announce("refuser", url, gateway_env.deployment_id)
+        with pytest.raises(openai.BadRequestError) as err:
+            await chat(gateway_env, gateway_env.admin_key)
+    assert err.value.body["param"] == "adapter" and "adapters" in err.value.body["message"]
+    assert calls == [1]
