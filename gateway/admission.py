@@ -23,7 +23,7 @@ from decimal import ROUND_CEILING, Decimal
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.services import Rates, model_rates, spend_since
+from billing.services import Rates, model_rates, month_bounds, spend_since
 from gateway.keys import Caller, Rate
 from tokenmill.errors import APIError
 from tokenmill.limits import Admission, Hold, Limit, RateLimiter, Slot
@@ -52,12 +52,7 @@ def _duration(seconds: float) -> str:
 
 def _month(now: datetime) -> tuple[str, datetime, float]:
     """The month's label, its first instant, and seconds until a day after it ends."""
-    start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    end = (
-        start.replace(year=start.year + 1, month=1)
-        if start.month == 12
-        else start.replace(month=start.month + 1)
-    )
+    start, end = month_bounds(now)
     return start.strftime("%Y-%m"), start, (end - now).total_seconds() + 86400
 
 
