@@ -448,10 +448,17 @@ def _run_server(settings: Settings, parts: Parts, *, uvloop: bool = False) -> No
     help="Model source: bundled:smollm2, bundled:minilm (embeddings), an HF directory or a .gguf file; "
     "an embedding model (sentence-transformers/BERT) makes an embed worker.",
 )
-@click.option("--deployment", "deployment_id", help="Deployment id this worker serves.")
+@click.option(
+    "--deployment",
+    "deployment_id",
+    envvar="TOKENMILL_DEPLOYMENT_ID",
+    help="Deployment id this worker serves [env TOKENMILL_DEPLOYMENT_ID].",
+)
 @click.option("--host", help="Listen address [env TOKENMILL_WORKER_HOST].")
 @click.option("--port", type=int, help="Listen port; 0 picks a free one [env TOKENMILL_WORKER_PORT].")
-@click.option("--worker-id", help="Worker id (default: generated).")
+@click.option(
+    "--worker-id", envvar="TOKENMILL_WORKER_ID", help="Worker id [env TOKENMILL_WORKER_ID, default generated]."
+)
 @click.option("--exit-with-parent", is_flag=True, help="Exit when the parent process exits.")
 def worker(
     model: str | None,

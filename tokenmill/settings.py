@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     spawn_worker: bool = Field(default=True, description="Whether `serve` starts a local worker.")
     worker_host: str = Field(default="127.0.0.1", description="Address a worker listens on.")
     worker_port: int = Field(default=0, description="Port a worker listens on; 0 picks a free one.")
+    worker_advertise_host: str | None = Field(
+        default=None,
+        description="Address a worker announces to the gateways when it listens on all interfaces "
+        "(its pod IP on Kubernetes); default the listen address.",
+    )
     gpu_type: str | None = Field(
         default=None,
         description="The accelerator a worker runs on, as the price book names it (GPU-hour billing).",
@@ -158,6 +163,24 @@ class Settings(BaseSettings):
     s3_region: str | None = Field(default=None, description="S3 region; default boto3's configuration.")
     max_lora_rank: int = Field(
         default=64, ge=1, description="Largest LoRA rank an uploaded adapter may have."
+    )
+    autoscaler: Literal["local", "kubernetes", "none"] = Field(
+        default="local",
+        description="Who starts workers for the deployments: `local` (subprocesses of `serve` or "
+        "`tokenmill autoscaler`), `kubernetes` (a Deployment per model deployment) or `none` "
+        "(workers are started by hand).",
+    )
+    autoscale_interval_seconds: float = Field(
+        default=2.0, gt=0, description="How often the reconciler compares desired and live workers."
+    )
+    kubernetes_namespace: str = Field(default="tokenmill", description="Namespace of the worker Deployments.")
+    worker_image: str = Field(
+        default="tokenmill-worker:0.1.0", description="Container image of GPU workers (Kubernetes)."
+    )
+    worker_secret: str = Field(
+        default="tokenmill-worker",
+        description="Kubernetes Secret whose keys become the workers' environment (internal token, "
+        "Redis and storage URLs).",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 

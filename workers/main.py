@@ -166,7 +166,8 @@ def run_worker(
             signal.signal(sig, handler)
 
     bound_port = sock.getsockname()[1]
-    identity = _Identity(worker_id, deployment_id, http_address(host, bound_port), name)
+    advertised = settings.worker_advertise_host or host
+    identity = _Identity(worker_id, deployment_id, http_address(advertised, bound_port), name)
     app = create_app(
         generator,
         embedder=embedder,
