@@ -38,6 +38,7 @@ from control_plane.schemas import (
     ApiKeyUpdate,
     AuditEntryOut,
     AuditPage,
+    Autoscaling,
     DeploymentCreate,
     DeploymentOut,
     DeploymentUpdate,
@@ -186,6 +187,7 @@ def _deployment_out(dep: Deployment) -> DeploymentOut:
         status=dep.status,
         adapters=deployment_adapters(dep),
         created_at=dep.created_at,
+        autoscaling=msgspec.convert((dep.config or {}).get("autoscaling", {}), Autoscaling),
     )
 
 

@@ -170,6 +170,21 @@ Replicas = Annotated[int, Meta(ge=0, le=1000)]
 AdapterIds = Annotated[list[Annotated[str, Meta(min_length=1, max_length=40)]], Meta(max_length=100)]
 
 
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+
+
+class Autoscaling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """How the autoscaler sizes a deployment between its min and max replicas; unset fields
+    take the autoscaler's defaults (autoscaler/policy.py)."""
+
+    target_concurrency: Annotated[float, Meta(gt=0, le=10_000)] | None = None  # requests per replica
+    target_ttft_seconds: Seconds | None = None  # p95; above it the fleet grows
+    stable_window_seconds: Seconds | None = None
+    panic_window_seconds: Seconds | None = None
+    scale_down_cooldown_seconds: Seconds | None = None
+    scale_to_zero_grace_seconds: Seconds | None = None  # idle time before a min-0 deployment stops
+
+
 class DeploymentCreate(_Body):
     name: ModelName
     model: Annotated[str, Meta(min_length=1, max_length=200)]  # id or name of a base model
@@ -180,6 +195,7 @@ class DeploymentCreate(_Body):
     min_replicas: Replicas = 1
     max_replicas: Replicas = 1
     status: Literal["active", "stopped"] = "active"
+    autoscaling: Autoscaling | None = None
 
 
 class DeploymentUpdate(_Body):
@@ -188,6 +204,7 @@ class DeploymentUpdate(_Body):
     min_replicas: Replicas | UnsetType = UNSET
     max_replicas: Replicas | UnsetType = UNSET
     status: Literal["active", "stopped"] | UnsetType = UNSET
+    autoscaling: Autoscaling | UnsetType = UNSET  # replaces the whole setting
 
 
 class DeploymentOut(msgspec.Struct):
@@ -203,6 +220,7 @@ class DeploymentOut(msgspec.Struct):
     status: str
     adapters: list[str]
     created_at: datetime
+    autoscaling: Autoscaling = Autoscaling()
 
 
 # --- adapters --------------------------------------------------------------------------

@@ -723,8 +723,12 @@ def _check_source(source: str, format: str) -> None:
     source = source.strip()
     if not source:
         raise APIError(400, "source must not be empty.", param="source")
-    if format == "gguf" and not (source.endswith(".gguf") or source.startswith("bundled:")):
-        raise APIError(400, "A gguf model's source must be a .gguf file (or bundled:<name>).", param="source")
+    if format == "gguf" and not (source.endswith(".gguf") or source.startswith(("bundled:", "store:"))):
+        raise APIError(
+            400,
+            "A gguf model's source must be a .gguf file, bundled:<name> or store:<prefix holding one>.",
+            param="source",
+        )
 
 
 def deployment_adapters(dep: Deployment) -> list[str]:
@@ -790,6 +794,8 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
         await self._check_name(data.name, org_id)
         adapters = await _check_adapters(session, data.adapters, org_id, model.id)
         config: dict[str, Any] = {"adapters": adapters} if adapters else {}
+        if data.autoscaling is not None and (scaling := msgspec.to_builtins(data.autoscaling)):
+            config["autoscaling"] = scaling
         dep = Deployment(
             name=data.name,
             model_id=model.id,
@@ -839,6 +845,12 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
             config = {k: v for k, v in (dep.config or {}).items() if k != "adapters"}
             if adapters:
                 config["adapters"] = adapters
+            dep.config = config or None
+        if "autoscaling" in changes:
+            scaling = msgspec.to_builtins(changes.pop("autoscaling"))
+            config = {k: v for k, v in (dep.config or {}).items() if k != "autoscaling"}
+            if scaling:
+                config["autoscaling"] = scaling
             dep.config = config or None
         for name, value in changes.items():
             setattr(dep, name, value)
@@ -896,12 +908,12 @@ async def _check_adapters(
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 
 
-def _base_shapes(source: str, cache_dir: Path) -> lora.BaseShapes:
+def _base_shapes(source: str, cache_dir: Path, storage: Storage) -> lora.BaseShapes:
     """Shapes of a base model's linear layers, from its config.json (blocking: resolving
-    may convert a GGUF once)."""
+    may fetch a stored model or convert a GGUF, once)."""
     from tokenmill.modelstore import resolve_model
 
-    model_dir = resolve_model(source, cache_dir)
+    model_dir = resolve_model(source, cache_dir, storage=storage)
     return lora.BaseShapes.from_config(json.loads((model_dir / "config.json").read_text()))
 
 
@@ -961,7 +973,7 @@ class AdapterService(SQLAlchemyAsyncRepositoryService[Adapter]):
                 400, f"Model '{model.name}' computes embeddings; it takes no adapters.", param="model"
             )
         try:
-            shapes = await asyncio.to_thread(_base_shapes, model.source, cache_dir)
+            shapes = await asyncio.to_thread(_base_shapes, model.source, cache_dir, storage)
         except (OSError, ValueError) as exc:
             raise APIError(
                 400, f"The base model '{model.name}' cannot be checked for adapters: {exc}", param="model"

@@ -19,23 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 import msgspec
 
 from tokenmill.bus import EventBus
-from tokenmill.protocol import (
-    KV,
-    WORKERS,
-    Heartbeat,
-    KvEvents,
-    WorkerAnnounce,
-    WorkerDeparture,
-    WorkerEvent,
-)
+from tokenmill.fleet import WorkerState, WorkerTable
+from tokenmill.protocol import DEMAND, KV, WORKERS, Demand, KvEvents, WorkerDeparture, WorkerEvent
 from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.gateway.fleet")
@@ -49,41 +42,24 @@ IMBALANCE = 4
 # request that failed before its prefill stops attracting others soon.
 PENDING_SECONDS = 30.0
 
+# How often a request waiting for a worker tells the autoscaler it is still waiting.
+DEMAND_EVERY = 1.0
+
 Routing = Literal["prefix", "round_robin", "least_loaded"]
 ROUTING_POLICIES: tuple[str, ...] = get_args(Routing)
 
 
-@dataclass(slots=True)
-class WorkerState:
-    worker_id: str
-    deployment_id: str | None
-    address: str
-    model: str
-    seen: float  # monotonic time of the last event
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    draining: bool = False
-    inflight: int = 0  # requests this replica sent and has not seen finish
-
-    @property
-    def load(self) -> int:
-        # Our own in-flight count reacts at once; the heartbeat's figures lag by up to a beat.
-        return max(self.running + self.waiting, self.inflight)
-
-
-class FleetView(Background):
+class FleetView(WorkerTable, Background):
     name = "fleet-view"
 
     def __init__(self, bus: EventBus, *, timeout: float, routing: Routing = "prefix") -> None:
-        super().__init__()
+        WorkerTable.__init__(self, timeout)
+        Background.__init__(self)
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}; one of {', '.join(ROUTING_POLICIES)}")
         self.bus = bus
-        self.timeout = timeout
         self.routing = routing
         self._turn: dict[str, int] = {}  # deployment id -> round-robin position
-        self.workers: dict[str, WorkerState] = {}
         self.cached: dict[str, set[str]] = {}  # worker id -> hex hashes of its cached blocks
         # worker id -> hex hash -> monotonic deadline: blocks of prompts routed there that its
         # KV events have not reported yet. Insertion-ordered with one TTL, so oldest first.
@@ -111,31 +87,11 @@ class FleetView(Background):
                 pending.pop(h, None)
 
     def apply(self, ev: WorkerEvent) -> None:
+        WorkerTable.apply(self, ev)
         if isinstance(ev, WorkerDeparture):
-            self.workers.pop(ev.worker_id, None)
             self.cached.pop(ev.worker_id, None)
             self.pending.pop(ev.worker_id, None)
-            return
-        state = self.workers.get(ev.worker_id)
-        if state is None:
-            state = WorkerState(ev.worker_id, ev.deployment_id, ev.address, ev.model, time.monotonic())
-            self.workers[ev.worker_id] = state
-        state.seen = time.monotonic()
-        state.address = ev.address
-        if isinstance(ev, Heartbeat):
-            state.running, state.waiting, state.kv_usage = ev.running, ev.waiting, ev.kv_usage
-            state.draining = ev.draining
-        elif isinstance(ev, WorkerAnnounce):
-            state.draining = False
         self._changed.set()
-
-    def live(self, deployment_id: str) -> list[WorkerState]:
-        cutoff = time.monotonic() - self.timeout
-        return [
-            w
-            for w in self.workers.values()
-            if w.deployment_id == deployment_id and w.seen >= cutoff and not w.draining
-        ]
 
     def pick(
         self, deployment_id: str, exclude: Collection[str] = (), hashes: Sequence[str] = ()
@@ -234,14 +190,33 @@ class FleetView(Background):
         self.pending.pop(worker_id, None)
 
     async def wait_for(
-        self, deployment_id: str, wait: float, exclude: Collection[str] = (), hashes: Sequence[str] = ()
+        self,
+        deployment_id: str,
+        wait: float,
+        exclude: Collection[str] = (),
+        hashes: Sequence[str] = (),
+        request_id: str = "",
     ) -> WorkerState | None:
+        """A worker by `pick`, waiting up to `wait` seconds for one to appear. While the
+        deployment has no live worker at all, the wait is announced on the bus about once a
+        second, so the autoscaler wakes a deployment scaled to zero (a cold start)."""
         deadline = time.monotonic() + wait
+        announced = -math.inf
         while (worker := self.pick(deployment_id, exclude, hashes)) is None:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 return None
+            if request_id and now - announced >= DEMAND_EVERY and not self.live(deployment_id):
+                announced = now
+                await self._announce(Demand(deployment_id, request_id, ts=time.time()))
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+                await asyncio.wait_for(self._changed.wait(), min(remaining, DEMAND_EVERY))
         return worker
+
+    async def _announce(self, demand: Demand) -> None:
+        try:
+            await self.bus.publish(DEMAND, demand)
+        except Exception as exc:  # the wait goes on; a worker may still appear
+            log.warning("could not announce demand for %s: %s", demand.deployment_id, exc)

@@ -23,6 +23,7 @@ from tokenmill.modelstore import resolve_model
 from tokenmill.openai_shapes import Prompt, model_not_found
 from tokenmill.protocol import USAGE, EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, UsageRecord
 from tokenmill.settings import Settings
+from tokenmill.storage import open_storage
 from tokenmill.tokenization import Tokenizer
 
 log = logging.getLogger("tokenmill.gateway")
@@ -156,7 +157,9 @@ class Gateway:
             raise
 
     def _load_tokenizer(self, source: str) -> Tokenizer:
-        return Tokenizer.from_dir(resolve_model(source, self.settings.cache_dir))
+        # A stored model (`store:`) is fetched once, like a worker fetches it.
+        storage = lambda: open_storage(self.settings)  # noqa: E731 - opened only for `store:`
+        return Tokenizer.from_dir(resolve_model(source, self.settings.cache_dir, storage=storage))
 
     # --- generation ----------------------------------------------------------------------
 
@@ -201,7 +204,7 @@ class Gateway:
         tried: set[str] = set()
         try:
             while True:
-                worker = await self._worker(target, tried, hashes)
+                worker = await self._worker(target, request_id, tried, hashes)
                 tried.add(worker.worker_id)
                 worker.inflight += 1
                 try:
@@ -251,7 +254,7 @@ class Gateway:
         tried: set[str] = set()
         try:
             while True:
-                worker = await self._worker(target, tried, [])
+                worker = await self._worker(target, request_id, tried, [])
                 tried.add(worker.worker_id)
                 worker.inflight += 1
                 try:
@@ -281,9 +284,13 @@ class Gateway:
         finally:
             await self._finish(ticket, caller, target, done, status, None, time.monotonic() - started)
 
-    async def _worker(self, target: Target, tried: set[str], hashes: list[str]) -> WorkerState:
+    async def _worker(
+        self, target: Target, request_id: str, tried: set[str], hashes: list[str]
+    ) -> WorkerState:
         wait = self.settings.worker_wait_seconds if not tried else 2 * self.settings.heartbeat_seconds
-        worker = await self.fleet.wait_for(target.deployment_id, wait, exclude=tried, hashes=hashes)
+        worker = await self.fleet.wait_for(
+            target.deployment_id, wait, exclude=tried, hashes=hashes, request_id=request_id
+        )
         if worker is None:
             raise APIError(
                 503,

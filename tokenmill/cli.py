@@ -15,19 +15,22 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from tokenmill import __version__
+from tokenmill.net import http_address
 from tokenmill.settings import Settings
 
 if TYPE_CHECKING:
     from litestar import Litestar
-    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+    from autoscaler.reconciler import Reconciler
     from control_plane.services import EmbedSpec
+    from tokenmill.bus import EventBus
 
 log = logging.getLogger("tokenmill")
 
@@ -86,7 +89,8 @@ class Parts:
     consumers: bool = False
     # The periodic billing jobs in-process (`serve` only; production runs Celery beat).
     scheduler: bool = False
-    on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
+    # The reconciler, starting and stopping workers through the `TOKENMILL_AUTOSCALER` provider.
+    autoscaler: bool = False
 
 
 def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
@@ -168,6 +172,13 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from billing.controllers import StripeWebhookController
 
         handlers.append(StripeWebhookController)  # POST /webhooks/stripe (signed by Stripe, no API key)
+        from dashboard.app import mount as mount_dashboard
+
+        # The admin web UI at /dashboard: its own small app (templates, sessions, CSRF).
+        dashboard = mount_dashboard(settings, sessionmaker=sessionmaker, bus=bus, storage=storage)
+        handlers.append(dashboard.handler)
+        services += dashboard.services
+        closers += dashboard.closers
     if parts.consumers:
         from billing.services import UsageConsumer
         from control_plane.services import WorkerLifetimes
@@ -181,6 +192,11 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         )
         services.append(scheduler)
         state["scheduler"] = scheduler
+    if parts.autoscaler and settings.autoscaler != "none":
+        reconciler = _reconciler(settings, bus, sessionmaker, consumer)
+        services.append(reconciler)
+        closers.append(reconciler.provider.close)
+        state["reconciler"] = reconciler
     if parts.internal_bus:
         from tokenmill.internal import internal_router
 
@@ -214,6 +230,54 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     return app
 
 
+def _reconciler(
+    settings: Settings, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], holder: str
+) -> Reconciler:
+    from autoscaler.leader import Lease, RedisLease, SoleLease
+    from autoscaler.providers import Provider
+    from autoscaler.reconciler import Reconciler
+
+    provider: Provider
+    if settings.autoscaler == "kubernetes":
+        from autoscaler.kubernetes import KubernetesProvider
+
+        provider = KubernetesProvider.from_settings(settings)
+    else:
+        from autoscaler.local import LocalProcessProvider
+
+        provider = LocalProcessProvider(env=_local_worker_env(settings))
+    lease: Lease = SoleLease()
+    if settings.redis_url:
+        from redis.asyncio import Redis
+
+        # A lease of a few intervals: a dead leader is replaced that quickly, and a slow
+        # tick or two does not cost a live one its lease.
+        ttl = max(5.0, 3 * settings.autoscale_interval_seconds)
+        lease = RedisLease(Redis.from_url(settings.redis_url), holder, ttl)
+    return Reconciler(
+        bus,
+        sessionmaker,
+        provider,
+        lease,
+        interval=settings.autoscale_interval_seconds,
+        worker_timeout=settings.worker_timeout_seconds,
+    )
+
+
+def _local_worker_env(settings: Settings) -> dict[str, str]:
+    """What a worker started on this machine needs beyond our own environment."""
+    env = {
+        "TOKENMILL_INTERNAL_TOKEN": settings.internal_token or "",
+        "TOKENMILL_HOME": str(settings.home_dir),
+        "TOKENMILL_MODEL_CACHE": str(settings.cache_dir),
+        "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
+    }
+    if not settings.redis_url:  # the embedded bus, hosted by this server
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
+        env["TOKENMILL_BUS_URL"] = f"{http_address(host, settings.port)}/internal/bus"
+    return env
+
+
 def _bind(host: str, port: int) -> socket.socket:
     from tokenmill.net import bind
 
@@ -228,7 +292,7 @@ async def _serve_app(
     app: Litestar,
     sock: socket.socket,
     settings: Settings,
-    before_exit: Callable[[], Any] | None = None,
+    before_exit: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. `before_exit` runs first, while the server still
     answers, so local workers can drain their streams and say goodbye on the bus."""
@@ -255,7 +319,7 @@ async def _serve_app(
 
     async def stop() -> None:
         if before_exit is not None:
-            await asyncio.to_thread(before_exit)
+            await before_exit()
         server.should_exit = True
 
     def on_signal() -> None:
@@ -314,10 +378,10 @@ def serve(
 
 
 async def _serve(settings: Settings) -> None:
-    from autoscaler.local import LocalProcessProvider
     from control_plane.services import bootstrap
     from tokenmill.db import make_engine, make_sessionmaker
     from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
+    from tokenmill.storage import open_storage
     from tokenmill.tokenization import Tokenizer
 
     sock = _bind(settings.host, settings.port)
@@ -325,7 +389,9 @@ async def _serve(settings: Settings) -> None:
         f"Preparing {settings.model} (the first start converts it; later starts are instant)...", err=True
     )
     try:
-        model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
+        model_dir = await asyncio.to_thread(
+            resolve_model, settings.model, settings.cache_dir, storage=lambda: open_storage(settings)
+        )
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     context_length = Tokenizer.from_dir(model_dir).context_length or 2048
@@ -345,20 +411,28 @@ async def _serve(settings: Settings) -> None:
     url = f"http://{settings.host}:{settings.port}"
     parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
     parts.scheduler = settings.scheduler
+    # The reconciler starts the deployments' workers (the bundled models' included) and
+    # scales them; with TOKENMILL_AUTOSCALER=none the bundled models get one worker each.
+    parts.autoscaler = settings.spawn_worker
     app = create_app(settings, engine, parts)
-    provider = LocalProcessProvider(
-        env={
-            "TOKENMILL_INTERNAL_TOKEN": settings.internal_token or "",
-            "TOKENMILL_BUS_URL": f"{url}/internal/bus",
-            "TOKENMILL_HOME": str(settings.home_dir),
-            "TOKENMILL_MODEL_CACHE": str(settings.cache_dir),
-            "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
-        }
-    )
-    if settings.spawn_worker:
-        provider.start(boot.deployment.id, settings.model)
+    reconciler: Reconciler | None = app.state.get("reconciler")
+    fixed = None
+    if settings.spawn_worker and reconciler is None:
+        from autoscaler.local import LocalProcessProvider
+
+        fixed = LocalProcessProvider(env=_local_worker_env(settings))
+        fixed.start(boot.deployment.id, settings.model)
         if boot.embed_deployment is not None:
-            provider.start(boot.embed_deployment.id, settings.embed_model)
+            fixed.start(boot.embed_deployment.id, settings.embed_model)
+
+    async def stop_workers() -> None:
+        # The reconciler first, or it would replace the workers being stopped.
+        if reconciler is not None:
+            await reconciler.stop()
+            await reconciler.provider.close()
+        if fixed is not None:
+            await fixed.close()
+
     if boot.admin_secret:
         click.echo(
             "\nCreated organisation 'default' and an admin API key. It is shown only once; keep it:\n\n"
@@ -367,9 +441,9 @@ async def _serve(settings: Settings) -> None:
     served = boot.model.name + (f" and {boot.embed_model.name}" if boot.embed_model else "")
     click.echo(f"Tokenmill {__version__} serving {served} on {url}  (OpenAI base URL: {url}/v1)")
     try:
-        await _serve_app(app, sock, settings, before_exit=provider.stop_all)
+        await _serve_app(app, sock, settings, before_exit=stop_workers)
     finally:
-        await asyncio.to_thread(provider.stop_all)  # no-op unless serving failed
+        await stop_workers()  # no-op unless serving failed
         click.echo("Tokenmill stopped.", err=True)
 
 
@@ -378,11 +452,14 @@ async def _embed_spec(settings: Settings) -> EmbedSpec:
     rather than leaving a worker that dies after the server said it was ready."""
     from control_plane.services import EmbedSpec
     from tokenmill.modelstore import model_name, resolve_model
+    from tokenmill.storage import open_storage
     from tokenmill.tokenization import Tokenizer
 
     source = settings.embed_model
     try:
-        model_dir = await asyncio.to_thread(resolve_model, source, settings.cache_dir)
+        model_dir = await asyncio.to_thread(
+            resolve_model, source, settings.cache_dir, storage=lambda: open_storage(settings)
+        )
         context_length = Tokenizer.from_dir(model_dir).context_length
     except (FileNotFoundError, ValueError) as exc:
         _fail(f"embedding model: {exc} (set TOKENMILL_EMBED_MODEL= to serve none)")
@@ -409,6 +486,20 @@ def control_plane(host: str | None, port: int | None) -> None:
     settings = _settings(host=host, port=port)
     _require_production(settings)
     _run_server(settings, Parts(admin=True, consumers=True))
+
+
+@main.command()
+@click.option("--host", help="Listen address of /health and /metrics [env TOKENMILL_HOST].")
+@click.option("--port", type=int, help="Listen port [env TOKENMILL_PORT].")
+def autoscaler(host: str | None, port: int | None) -> None:
+    """Run the reconciler: start, scale and replace workers for the control plane's deployments
+    through TOKENMILL_AUTOSCALER (kubernetes or local). Run several for failover: a Redis lease
+    lets one act at a time (production: needs DATABASE_URL and REDIS_URL)."""
+    settings = _settings(host=host, port=port)
+    _require_production(settings)
+    if settings.autoscaler == "none":
+        _fail("TOKENMILL_AUTOSCALER is 'none': set it to 'kubernetes' or 'local'", 2)
+    _run_server(settings, Parts(autoscaler=True))
 
 
 def _require_production(settings: Settings) -> None:
@@ -457,7 +548,9 @@ def _run_server(settings: Settings, parts: Parts, *, uvloop: bool = False) -> No
 @click.option("--host", help="Listen address [env TOKENMILL_WORKER_HOST].")
 @click.option("--port", type=int, help="Listen port; 0 picks a free one [env TOKENMILL_WORKER_PORT].")
 @click.option(
-    "--worker-id", envvar="TOKENMILL_WORKER_ID", help="Worker id [env TOKENMILL_WORKER_ID, default generated]."
+    "--worker-id",
+    envvar="TOKENMILL_WORKER_ID",
+    help="Worker id [env TOKENMILL_WORKER_ID; default generated].",
 )
 @click.option("--exit-with-parent", is_flag=True, help="Exit when the parent process exits.")
 def worker(

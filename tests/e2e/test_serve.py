@@ -67,7 +67,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_server(tmp: Path, model_cache: Path) -> Server:
+def start_server(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None = None) -> Server:
     port = _free_port()
     env = {
         **os.environ,
@@ -75,6 +75,7 @@ def start_server(tmp: Path, model_cache: Path) -> Server:
         "TOKENMILL_MODEL_CACHE": str(model_cache),
         "TOKENMILL_PORT": str(port),
         "TOKENMILL_TORCH_THREADS": "2",
+        **(extra_env or {}),
     }
     for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
         env.pop(var, None)

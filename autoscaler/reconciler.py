@@ -1,0 +1,197 @@
+"""The reconciler: desired deployments (the control plane's) against live workers (the bus's).
+
+Every `interval` it reads the active deployments, samples each one's load from its
+workers' heartbeats (plus requests that gateways hold for a deployment with no worker),
+asks the policy for a replica count, and has the provider make it so. Workers silent for
+the heartbeat timeout are replaced; deployments that were stopped or deleted lose their
+workers. Only the holder of the lease acts; the others keep sampling, so a new leader
+starts with the same history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from autoscaler.leader import Lease
+from autoscaler.policy import Decision, PolicyConfig, PolicyState, Sample, decide
+from autoscaler.providers import Provider, WorkerSpec
+from control_plane.models import Deployment, Model
+from tokenmill.bus import EventBus
+from tokenmill.fleet import WorkerTable
+from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerEvent
+from tokenmill.tasks import Background, tail
+
+log = logging.getLogger("tokenmill.autoscaler")
+
+# A request counts as waiting for this long after its gateway last said so (it says so
+# about once a second while it waits).
+DEMAND_TTL = 3.0
+
+# The deployment's `autoscaling` settings (control_plane.schemas.Autoscaling) by policy field.
+_SETTING = {
+    "target_concurrency": "target_concurrency",
+    "target_ttft": "target_ttft_seconds",
+    "stable_window": "stable_window_seconds",
+    "panic_window": "panic_window_seconds",
+    "scale_down_cooldown": "scale_down_cooldown_seconds",
+    "scale_to_zero_grace": "scale_to_zero_grace_seconds",
+}
+
+
+@dataclass(slots=True)
+class Desired:
+    """One deployment as the control plane wants it."""
+
+    spec: WorkerSpec
+    config: PolicyConfig
+
+
+def policy_config(dep: Deployment) -> PolicyConfig:
+    settings: dict[str, Any] = (dep.config or {}).get("autoscaling") or {}
+    names = {f.name for f in fields(PolicyConfig)}
+    given = {k: settings[v] for k, v in _SETTING.items() if k in names and settings.get(v) is not None}
+    return PolicyConfig(min_replicas=dep.min_replicas, max_replicas=dep.max_replicas, **given)
+
+
+async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) -> dict[str, Desired]:
+    async with sessionmaker() as session:
+        rows = await session.execute(
+            select(Deployment, Model.source)
+            .join(Model, Model.id == Deployment.model_id)
+            .where(Deployment.status == "active")
+        )
+        return {
+            dep.id: Desired(
+                WorkerSpec(
+                    deployment_id=dep.id,
+                    name=dep.name,
+                    model=source,
+                    kind=dep.kind,
+                    gpu_type=dep.gpu_type,
+                    options=dict((dep.config or {}).get("resources") or {}),
+                ),
+                policy_config(dep),
+            )
+            for dep, source in rows
+        }
+
+
+class Reconciler(Background):
+    name = "autoscaler"
+
+    def __init__(
+        self,
+        bus: EventBus,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        provider: Provider,
+        lease: Lease,
+        *,
+        interval: float,
+        worker_timeout: float,
+    ) -> None:
+        super().__init__()
+        self.bus = bus
+        self.sessionmaker = sessionmaker
+        self.provider = provider
+        self.lease = lease
+        self.interval = interval
+        self.table = WorkerTable(worker_timeout)
+        self.samples: dict[str, deque[Sample]] = {}
+        self.states: dict[str, PolicyState] = {}
+        self.decisions: dict[str, Decision] = {}  # the latest, for status pages and tests
+        self.demand: dict[str, dict[str, float]] = {}  # deployment -> request id -> monotonic
+        self.started = time.monotonic()
+
+    async def run(self) -> None:
+        workers = msgspec.json.Decoder(WorkerEvent)
+        demand = msgspec.json.Decoder(Demand)
+        await asyncio.gather(
+            tail(self.bus, WORKERS, lambda raw: self.table.apply(workers.decode(raw)), name=self.name),
+            tail(self.bus, DEMAND, lambda raw: self.wanted(demand.decode(raw)), name=self.name),
+            self._loop(),
+        )
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.lease.release()
+
+    def wanted(self, ev: Demand) -> None:
+        self.demand.setdefault(ev.deployment_id, {})[ev.request_id] = time.monotonic()
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile failed; retrying in %.1fs", self.interval)
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def tick(self) -> None:
+        desired = await desired_deployments(self.sessionmaker)
+        now = time.monotonic()
+        for dep_id, want in desired.items():
+            self._sample(dep_id, want.config, now)
+        if not await self.lease.hold():
+            return
+        for dep_id in set(await self.provider.managed()) - desired.keys():
+            log.info("deployment %s is stopped or gone: removing its workers", dep_id)
+            await self.provider.remove(dep_id)
+            self.samples.pop(dep_id, None)
+            self.states.pop(dep_id, None)
+        for worker in self.table.silent():
+            if worker.deployment_id in desired:
+                log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
+                await self.provider.replace(worker.deployment_id, worker.worker_id)
+            self.table.workers.pop(worker.worker_id, None)
+        for want in desired.values():
+            await self._reconcile(want, now)
+
+    def _sample(self, dep_id: str, config: PolicyConfig, now: float) -> None:
+        workers = [
+            w for w in self.table.workers.values() if w.deployment_id == dep_id and self.table.alive(w, now)
+        ]
+        held = self.demand.get(dep_id, {})
+        for request_id, seen in list(held.items()):
+            if now - seen > DEMAND_TTL:
+                del held[request_id]
+        serving = [w for w in workers if not w.draining]
+        ttfts = [w.ttft_p95 for w in workers if w.ttft_p95 is not None]
+        sample = Sample(
+            ts=now,
+            running=sum(w.running for w in workers),
+            waiting=sum(w.waiting for w in workers) + len(held),
+            kv_usage=sum(w.kv_usage for w in serving) / len(serving) if serving else 0.0,
+            ttft_p95=max(ttfts) if ttfts else None,
+        )
+        history = self.samples.setdefault(dep_id, deque())
+        history.append(sample)
+        while history and history[0].ts <= now - config.stable_window:
+            history.popleft()
+
+    async def _reconcile(self, want: Desired, now: float) -> None:
+        dep_id = want.spec.deployment_id
+        current = await self.provider.replicas(dep_id)
+        state = self.states.get(dep_id, PolicyState())
+        decision = decide(want.config, self.samples.get(dep_id, ()), current, state, now)
+        self.states[dep_id] = decision.state
+        self.decisions[dep_id] = decision
+        if decision.desired != current:
+            log.info("%s: %d -> %d replicas (%s)", want.spec.name, current, decision.desired, decision.reason)
+        # The idlest workers go first when scaling down: the least to drain.
+        victims = sorted(
+            (w for w in self.table.workers.values() if w.deployment_id == dep_id),
+            key=lambda w: (w.running + w.waiting, w.kv_usage),
+        )
+        await self.provider.scale(want.spec, decision.desired, [w.worker_id for w in victims])

@@ -1,0 +1,234 @@
+"""The reconciler against a real database of deployments, the in-memory bus, and a
+provider that records what it is asked (the Provider protocol's contract, nothing more);
+the lease against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from autoscaler.leader import RedisLease, SoleLease
+from autoscaler.providers import WorkerSpec
+from autoscaler.reconciler import Reconciler, desired_deployments, policy_config
+from control_plane.models import Deployment, Model
+from tokenmill.bus import MemoryBus
+from tokenmill.db import Base, make_engine, make_sessionmaker
+from tokenmill.protocol import DEMAND, WORKERS, Demand, Heartbeat, WorkerDeparture
+
+
+@dataclass
+class Recorder:
+    """Keeps `replicas` per deployment exactly as asked, and logs every call."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    calls: list[tuple] = field(default_factory=list)
+
+    async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
+        if self.counts.get(spec.deployment_id, 0) != replicas:
+            self.calls.append(("scale", spec.deployment_id, replicas, tuple(victims)))
+        self.counts[spec.deployment_id] = replicas
+
+    async def replicas(self, deployment_id: str) -> int:
+        return self.counts.get(deployment_id, 0)
+
+    async def replace(self, deployment_id: str, worker_id: str) -> None:
+        self.calls.append(("replace", deployment_id, worker_id))
+
+    async def remove(self, deployment_id: str) -> None:
+        self.calls.append(("remove", deployment_id))
+        self.counts.pop(deployment_id, None)
+
+    async def managed(self) -> list[str]:
+        return [d for d, n in self.counts.items() if n > 0]
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+async def db(sqlite_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    engine = make_engine(sqlite_url)
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    yield make_sessionmaker(engine)
+    await engine.dispose()
+
+
+async def _deployment(
+    db: async_sessionmaker[AsyncSession], name: str, low: int, high: int, **autoscaling: float
+) -> str:
+    async with db() as session, session.begin():
+        model = Model(name=f"m-{name}", source="bundled:smollm2", format="gguf")
+        session.add(model)
+        await session.flush()
+        dep = Deployment(
+            name=name,
+            model_id=model.id,
+            min_replicas=low,
+            max_replicas=high,
+            gpu_type="L4",
+            config={"autoscaling": autoscaling} if autoscaling else None,
+        )
+        session.add(dep)
+        await session.flush()
+        return dep.id
+
+
+def _reconciler(db: async_sessionmaker[AsyncSession], provider: Recorder, **kw: object) -> Reconciler:
+    return Reconciler(
+        MemoryBus(), db, provider, kw.pop("lease", SoleLease()), interval=0.1, worker_timeout=3.0, **kw
+    )
+
+
+def _beat(dep: str, worker: str, running: int = 0, waiting: int = 0, **kw: object) -> Heartbeat:
+    return Heartbeat(
+        worker, dep, f"http://{worker}", "m", running=running, waiting=waiting, ts=time.time(), **kw
+    )
+
+
+async def test_desired_state_comes_from_active_deployments(db: async_sessionmaker[AsyncSession]) -> None:
+    dep = await _deployment(db, "chat", 1, 3, target_concurrency=4, stable_window_seconds=12)
+    stopped = await _deployment(db, "old", 1, 1)
+    async with db() as session, session.begin():
+        (await session.get(Deployment, stopped)).status = "stopped"  # type: ignore[union-attr]
+    desired = await desired_deployments(db)
+    assert list(desired) == [dep]
+    want = desired[dep]
+    assert want.spec == WorkerSpec(dep, "chat", "bundled:smollm2", "generate", "L4", {})
+    assert (want.config.min_replicas, want.config.max_replicas) == (1, 3)
+    assert (want.config.target_concurrency, want.config.stable_window) == (4, 12)
+
+
+async def test_starts_min_replicas_then_follows_load_within_max(db: async_sessionmaker[AsyncSession]) -> None:
+    dep = await _deployment(db, "chat", 1, 3, target_concurrency=4, stable_window_seconds=2)
+    provider = Recorder()
+    rec = _reconciler(db, provider)
+    await rec.tick()
+    assert provider.calls == [("scale", dep, 1, ())]
+    # 30 requests in flight on one worker: 30 / 4 wants 8, capped at max 3.
+    rec.table.apply(_beat(dep, "w1", running=20, waiting=10))
+    await rec.tick()
+    assert provider.counts[dep] == 3
+    assert rec.decisions[dep].desired == 3
+
+
+async def test_scales_down_after_idle_and_names_the_idlest_workers_first(
+    db: async_sessionmaker[AsyncSession],
+) -> None:
+    dep = await _deployment(
+        db, "chat", 1, 3, target_concurrency=4, stable_window_seconds=0.5, scale_down_cooldown_seconds=0.2
+    )
+    provider = Recorder(counts={dep: 3})
+    rec = _reconciler(db, provider)
+    for worker, running in (("w1", 2), ("w2", 0), ("w3", 1)):
+        rec.table.apply(_beat(dep, worker, running=running))
+    await rec.tick()
+    assert provider.counts[dep] == 1  # 3 requests want one replica
+    assert provider.calls[-1] == ("scale", dep, 1, ("w2", "w3", "w1"))
+
+
+async def test_silent_workers_are_replaced(db: async_sessionmaker[AsyncSession]) -> None:
+    dep = await _deployment(db, "chat", 1, 1)
+    provider = Recorder(counts={dep: 1})
+    rec = _reconciler(db, provider)
+    rec.table.apply(_beat(dep, "w1"))
+    rec.table.workers["w1"].seen -= 10  # no heartbeat for 10 s (timeout 3 s)
+    await rec.tick()
+    assert ("replace", dep, "w1") in provider.calls
+    assert "w1" not in rec.table.workers
+    # A worker that said goodbye is simply gone, not replaced by `replace`.
+    rec.table.apply(_beat(dep, "w2"))
+    rec.table.apply(WorkerDeparture("w2", dep))
+    await rec.tick()
+    assert ("replace", dep, "w2") not in provider.calls
+
+
+async def test_stopped_deployments_lose_their_workers(db: async_sessionmaker[AsyncSession]) -> None:
+    dep = await _deployment(db, "chat", 1, 1)
+    provider = Recorder()
+    rec = _reconciler(db, provider)
+    await rec.tick()
+    async with db() as session, session.begin():
+        (await session.get(Deployment, dep)).status = "stopped"  # type: ignore[union-attr]
+    await rec.tick()
+    assert provider.calls[-1] == ("remove", dep)
+    assert await provider.managed() == []
+
+
+async def test_a_waiting_request_wakes_a_deployment_at_zero(db: async_sessionmaker[AsyncSession]) -> None:
+    dep = await _deployment(
+        db,
+        "serverless",
+        0,
+        2,
+        scale_to_zero_grace_seconds=1,
+        stable_window_seconds=1,
+        scale_down_cooldown_seconds=0.5,
+    )
+    provider = Recorder()
+    rec = _reconciler(db, provider)
+    await rec.tick()
+    assert provider.counts.get(dep, 0) == 0  # never used: nothing runs
+    await rec.start()
+    try:
+        await asyncio.sleep(0.2)  # the tail is reading
+        await rec.bus.publish(DEMAND, Demand(dep, "req-1", ts=time.time()))
+        for _ in range(50):
+            if provider.counts.get(dep) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert provider.counts.get(dep) == 1
+        # It serves; then, idle past the grace period, it goes back to zero.
+        await rec.bus.publish(WORKERS, _beat(dep, "w1"))
+        deadline = time.monotonic() + 8
+        while provider.counts.get(dep) != 0 and time.monotonic() < deadline:
+            await rec.bus.publish(WORKERS, _beat(dep, "w1"))
+            await asyncio.sleep(0.2)
+        assert provider.counts.get(dep) == 0
+    finally:
+        await rec.stop()
+
+
+async def test_only_the_lease_holder_acts(db: async_sessionmaker[AsyncSession], redis_url: str) -> None:
+    dep = await _deployment(db, "chat", 2, 2)
+    redis = Redis.from_url(redis_url)
+    await redis.delete("tm:test:leader")
+    try:
+        first, second = Recorder(), Recorder()
+        a = _reconciler(db, first, lease=RedisLease(redis, "a", ttl=1.0, key="tm:test:leader"))
+        b = _reconciler(db, second, lease=RedisLease(redis, "b", ttl=1.0, key="tm:test:leader"))
+        for _ in range(3):
+            await a.tick()
+            await b.tick()
+        assert first.counts == {dep: 2} and second.calls == []
+        # The followers sample too, so a new leader starts with the history.
+        assert len(b.samples[dep]) == 3
+        await a.lease.release()
+        await b.tick()
+        assert second.counts == {dep: 2}
+        # A leader that paused past its TTL finds the lease taken and stops acting.
+        assert not await a.lease.hold()
+        await asyncio.sleep(1.2)  # b's lease expires without renewal
+        assert await a.lease.hold() and not await b.lease.hold()
+    finally:
+        await redis.delete("tm:test:leader")
+        await redis.aclose()
+
+
+def test_policy_settings_map_onto_the_policy() -> None:
+    dep = Deployment(
+        name="x",
+        model_id="m",
+        min_replicas=0,
+        max_replicas=5,
+        config={"autoscaling": {"target_ttft_seconds": 1.5, "scale_to_zero_grace_seconds": 30}},
+    )
+    config = policy_config(dep)
+    assert (config.min_replicas, config.max_replicas) == (0, 5)
+    assert (config.target_ttft, config.scale_to_zero_grace) == (1.5, 30)
