@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
-from autoscaler.policy import Decision, PolicyConfig, PolicyState, Sample, decide
+from autoscaler.policy import (
+    Decision,
+    PolicyConfig,
+    PolicyState,
+    Sample,
+    _rate_series,
+    decide,
+    find_period,
+    seasonal_forecast,
+)
 
 CFG = PolicyConfig(target_concurrency=10, min_replicas=1, max_replicas=20, scale_down_cooldown=30)
 
@@ -143,3 +155,155 @@ def test_decide_is_pure() -> None:
     first = decide(CFG, samples, 2, state, now=120)
     assert decide(CFG, samples, 2, state, now=120) == first
     assert state == PolicyState()
+
+
+# --- arrival rate (Little's law) ------------------------------------------------------------
+
+RATE = PolicyConfig(target_concurrency=10, target_rate=1.0, min_replicas=1, max_replicas=20)
+
+
+def arriving(conc: int, rate: float | None, until: float, start: float = 0.0) -> list[Sample]:
+    """Samples every 2 s with `conc` running requests and `rate` arrivals per second."""
+    return [replace(s, arrival_rate=rate) for s in steady(conc, until, start)]
+
+
+@pytest.mark.parametrize(("rate", "desired"), [(None, 1), (0.5, 1), (3.5, 4), (12.0, 12)])
+def test_the_arrival_rate_asks_for_rate_over_target_rate(rate: float | None, desired: int) -> None:
+    # Concurrency alone (5, target 10) wants 1; arrivals want ceil(rate / 1 req/s).
+    assert decide(RATE, arriving(5, rate, 120), 1, PolicyState(), now=120).desired == desired
+
+
+def test_concurrency_still_counts_when_it_asks_for_more() -> None:
+    assert decide(RATE, arriving(45, 1.0, 120), 1, PolicyState(), now=120).desired == 5
+
+
+def test_without_a_target_rate_arrivals_are_ignored() -> None:
+    assert decide(CFG, arriving(5, 50.0, 120), 1, PolicyState(), now=120).desired == 1
+
+
+def test_a_jump_in_arrivals_panics_before_concurrency_moves() -> None:
+    # Concurrency flat at 10 on 2 replicas; arrivals go from 1.5/s to 10/s in the last 6 s.
+    samples = arriving(10, 1.5, 114) + arriving(10, 10.0, 120, start=114)
+    d = decide(RATE, samples, 2, PolicyState(), now=120)
+    assert d.panic
+    assert d.desired == 10
+
+
+# --- seasonal forecast ----------------------------------------------------------------------
+
+
+def bursty(until: float, period: float = 600, at: float = 300, length: float = 60) -> list[Sample]:
+    """Every 2 s: 1 req/s, and 10 req/s for `length` s at `at` in every `period` (no noise)."""
+    out = []
+    for i in range(1, int(until / 2) + 1):
+        t = 2.0 * i
+        rate = 10.0 if at < t % period <= at + length else 1.0
+        out.append(Sample(ts=t, running=round(rate), waiting=0, arrival_rate=rate))
+    return out
+
+
+def noisy_bursts(n: int, period: int, rng: np.random.Generator) -> np.ndarray:
+    x = rng.poisson(10, n) / 10
+    x[np.arange(n) % period < 6] += 9
+    return x
+
+
+def test_find_period_finds_a_noisy_burst_period() -> None:
+    lag, corr = find_period(noisy_bursts(300, 60, np.random.default_rng(1)), 2, 1000)
+    assert lag == 60
+    assert corr > 0.9
+
+
+def test_find_period_prefers_the_period_to_its_multiples() -> None:
+    # 600 buckets cover 60, 120, 180... at least twice each; all correlate about as well.
+    assert find_period(noisy_bursts(600, 60, np.random.default_rng(2)), 2, 1000)[0] == 60
+
+
+def test_find_period_needs_the_period_covered_twice() -> None:
+    x = noisy_bursts(110, 60, np.random.default_rng(3))  # 1.8 periods
+    lag, _ = find_period(x, 2, 1000)
+    assert lag != 60
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.ones(300),  # flat
+        np.linspace(1, 50, 300),  # a trend is not a season
+        np.sin(np.arange(300) * 2 * np.pi / 1000),  # a correlation still falling: no peak in range
+    ],
+    ids=["flat", "trend", "slow"],
+)
+def test_find_period_finds_nothing_where_there_is_no_period(x: np.ndarray) -> None:
+    lag, corr = find_period(x, 2, 100)
+    assert lag == 0 or corr < 0.8
+
+
+def test_poisson_noise_is_not_trusted_as_a_season() -> None:
+    cfg = replace(RATE, forecast=True)
+    rng = np.random.default_rng(4)
+    for n in (30, 60, 120, 600):
+        samples = [
+            Sample(ts=10.0 * (i + 1), running=1, waiting=0, arrival_rate=rng.poisson(10) / 10)
+            for i in range(n)
+        ]
+        assert seasonal_forecast(cfg, samples, now=10.0 * n) is None
+
+
+def test_a_gap_in_scraping_repeats_the_last_rate() -> None:
+    samples = [Sample(ts=t, running=0, waiting=0, arrival_rate=r) for t, r in [(0, 2.0), (5, 4.0), (40, 1.0)]]
+    x, start = _rate_series(samples, now=40, bucket=10)
+    assert start == 0
+    assert x.tolist() == [3.0, 3.0, 3.0, 3.0, 1.0]
+
+
+FORECAST = replace(RATE, forecast=True, forecast_lead=45.0)
+
+
+def test_the_forecast_starts_replicas_a_lead_before_a_recurring_burst() -> None:
+    # Three periods seen; the fourth burst starts at 2100, 40 s from now.
+    d = decide(FORECAST, bursty(2060), 2, PolicyState(), now=2060)
+    assert d.season is not None
+    assert d.season.period == 600
+    assert d.season.rate == 10.0
+    assert d.desired == 10
+    assert d.reason.startswith("forecast")
+    assert not d.panic
+
+
+def test_without_the_forecast_nothing_is_started_before_the_burst() -> None:
+    d = decide(RATE, bursty(2060), 2, PolicyState(), now=2060)
+    assert d.season is None
+    assert d.desired == 1
+
+
+def test_the_forecast_needs_a_target_rate() -> None:
+    cfg = replace(FORECAST, target_rate=None)
+    assert decide(cfg, bursty(2060), 2, PolicyState(), now=2060).season is None
+
+
+@pytest.mark.parametrize(("now", "rate"), [(2040, 1.0), (2060, 10.0), (2150, 10.0), (2170, 1.0)])
+def test_the_forecast_covers_the_lead_and_the_burst_then_lets_go(now: float, rate: float) -> None:
+    # The rate one period before [now, now + 45 s], whose burst was at 1500-1560 s.
+    season = seasonal_forecast(FORECAST, bursty(2060), now)
+    assert season is not None
+    assert season.rate == rate
+
+
+def test_the_period_is_not_trusted_before_it_recurs() -> None:
+    # 1190 s of history: two bursts seen, but a 600 s period is not covered twice yet.
+    assert decide(FORECAST, bursty(1190), 2, PolicyState(), now=1190).season is None
+
+
+def test_the_forecast_only_adds() -> None:
+    # Concurrency asks for 15; the forecast of 10 req/s does not hold it back.
+    samples = [replace(s, running=150) if s.ts > 1940 else s for s in bursty(2060)]
+    assert decide(FORECAST, samples, 2, PolicyState(), now=2060).desired == 15
+
+
+def test_forecast_is_pure() -> None:
+    samples = bursty(2060)
+    before = list(samples)
+    first = decide(FORECAST, samples, 2, PolicyState(), now=2060)
+    assert decide(FORECAST, samples, 2, PolicyState(), now=2060) == first
+    assert samples == before
