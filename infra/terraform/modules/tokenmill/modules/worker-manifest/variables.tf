@@ -1,0 +1,63 @@
+variable "deployment_id" {
+  description = "Id of the model deployment (the control plane's deployments row) the workers serve."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$", var.deployment_id))
+    error_message = "The deployment id becomes a label value: 1-63 letters, digits, '.', '_' or '-'."
+  }
+}
+
+variable "name" {
+  description = "Name of the model deployment; the Kubernetes name tm-worker-<slug> derives from it."
+  type        = string
+}
+
+variable "model" {
+  description = "Model source the worker loads: bundled:smollm2, store:<key> or a path in the image."
+  type        = string
+}
+
+variable "gpu_type" {
+  description = "GPU type the workers run on (the tokenmill.dev/gpu-type node label); null for CPU workers."
+  type        = string
+  default     = null
+}
+
+variable "replicas" {
+  description = "Number of workers."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.replicas >= 0 && floor(var.replicas) == var.replicas
+    error_message = "replicas must be a whole number, 0 or more."
+  }
+}
+
+variable "namespace" {
+  description = "Namespace of the worker Deployment (TOKENMILL_KUBERNETES_NAMESPACE)."
+  type        = string
+}
+
+variable "image" {
+  description = "Worker container image (TOKENMILL_WORKER_IMAGE)."
+  type        = string
+}
+
+variable "secret" {
+  description = "Secret whose keys become the workers' environment (TOKENMILL_WORKER_SECRET)."
+  type        = string
+}
+
+variable "cpu" {
+  description = "CPU request of a worker; null: 4 for GPU workers, 2 for CPU workers."
+  type        = string
+  default     = null
+}
+
+variable "memory" {
+  description = "Memory request and limit of a worker; null: 32Gi for GPU workers, 8Gi for CPU workers."
+  type        = string
+  default     = null
+}
