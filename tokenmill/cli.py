@@ -172,13 +172,6 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from billing.controllers import StripeWebhookController
 
         handlers.append(StripeWebhookController)  # POST /webhooks/stripe (signed by Stripe, no API key)
-        from dashboard.app import mount as mount_dashboard
-
-        # The admin web UI at /dashboard: its own small app (templates, sessions, CSRF).
-        dashboard = mount_dashboard(settings, sessionmaker=sessionmaker, bus=bus, storage=storage)
-        handlers.append(dashboard.handler)
-        services += dashboard.services
-        closers += dashboard.closers
     if parts.consumers:
         from billing.services import UsageConsumer
         from control_plane.services import WorkerLifetimes
