@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -1194,6 +1195,23 @@ class Bootstrap:
     model: Model
     embed_deployment: Deployment | None = None
     embed_model: Model | None = None
+    # (email, password) of a platform admin created for the dashboard's sign-in when no
+    # platform admin could sign in yet; the password is shown once, like the key.
+    admin_login: tuple[str, str] | None = None
+
+
+async def _ensure_admin_login(session: AsyncSession, org_id: str, email: str) -> tuple[str, str] | None:
+    """A platform-admin user with a generated password, unless one can already sign in (or
+    the address is taken, e.g. by a disabled user: then it is the admins' call)."""
+    can_sign_in = select(User.id).where(
+        User.role == "platform_admin", User.password_hash.is_not(None), User.disabled.is_(False)
+    )
+    users = UserService(session=session)
+    if await session.scalar(can_sign_in.limit(1)) is not None or await users.exists(email=email):
+        return None
+    password = secrets.token_urlsafe(18)
+    user = await users.create_user(org_id=org_id, email=email, password=password, role="platform_admin")
+    return user.email, password
 
 
 async def bootstrap(
@@ -1206,9 +1224,12 @@ async def bootstrap(
     context_length: int,
     sampling: dict[str, float] | None = None,
     embed: EmbedSpec | None = None,
+    dashboard_admin: str | None = None,
 ) -> Bootstrap:
     """First start: an organisation and a platform-admin key. Every start: the served model,
-    and the embedding model (kind `embed`) with its serverless deployment when `embed` is given."""
+    and the embedding model (kind `embed`) with its serverless deployment when `embed` is given;
+    with `dashboard_admin` (an email), a platform-admin user to sign in to the dashboard with,
+    if no platform admin can sign in yet."""
     async with sessionmaker() as session, session.begin():
         orgs = OrganizationService(session=session)
         secret = None
@@ -1240,6 +1261,7 @@ async def bootstrap(
                 context_length=embed.context_length,
             )
             embed_dep = await catalog.ensure_serverless(embed_model)
+        login = await _ensure_admin_login(session, org.id, dashboard_admin) if dashboard_admin else None
     return Bootstrap(
         org=org,
         admin_secret=secret,
@@ -1247,6 +1269,7 @@ async def bootstrap(
         model=model,
         embed_deployment=embed_dep,
         embed_model=embed_model,
+        admin_login=login,
     )
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Make sure the test suite can start (or reach) PostgreSQL and Redis.
+# Make sure the test suite can start (or reach) PostgreSQL and Redis, and drive Chromium.
 #
 # The tests start throwaway servers themselves (tests/conftest.py); this only checks that the
 # server binaries exist, unless TEST_DATABASE_URL / TEST_REDIS_URL point at servers to use.
+# The dashboard's browser tests (tests/dashboard) drive Debian's chromium through Playwright
+# (never `playwright install`, whose downloads need the internet).
 # As root on Debian it installs what is missing; otherwise it says what to install and fails.
 set -euo pipefail
 
@@ -18,6 +20,9 @@ if [[ -z "${TEST_DATABASE_URL:-}" ]] && ! have_postgres; then
 fi
 if [[ -z "${TEST_REDIS_URL:-}" ]] && ! command -v redis-server >/dev/null 2>&1; then
     missing+=(redis-server)
+fi
+if [[ ! -x "${TOKENMILL_CHROMIUM:-/usr/bin/chromium}" ]]; then
+    missing+=(chromium)
 fi
 
 if ((${#missing[@]} == 0)); then

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill")
 
+# The platform admin `serve` creates on first start, to sign in to the dashboard with.
+DASHBOARD_ADMIN = "admin@tokenmill.local"
+
 
 def _settings(**overrides: Any) -> Settings:
     # Server logs are no place for \r-redrawn progress bars (the GGUF reader draws one with
@@ -172,6 +175,13 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from billing.controllers import StripeWebhookController
 
         handlers.append(StripeWebhookController)  # POST /webhooks/stripe (signed by Stripe, no API key)
+        from dashboard.app import mount as mount_dashboard
+
+        # The admin web UI at /dashboard: its own small app (templates, sessions, CSRF).
+        dashboard = mount_dashboard(settings, sessionmaker=sessionmaker, bus=bus, storage=storage)
+        handlers.append(dashboard.handler)
+        services += dashboard.services
+        closers += dashboard.closers
     if parts.consumers:
         from billing.services import UsageConsumer
         from control_plane.services import WorkerLifetimes
@@ -400,6 +410,7 @@ async def _serve(settings: Settings) -> None:
         context_length=context_length,
         sampling=sampling_defaults(settings.model, model_dir),
         embed=embed,
+        dashboard_admin=DASHBOARD_ADMIN,
     )
     url = f"http://{settings.host}:{settings.port}"
     parts = Parts(gateway=True, admin=True, internal_bus=settings.redis_url is None, consumers=True)
@@ -431,6 +442,14 @@ async def _serve(settings: Settings) -> None:
             "\nCreated organisation 'default' and an admin API key. It is shown only once; keep it:\n\n"
             f"{boot.admin_secret}\n"
         )
+    if boot.admin_login:
+        email, password = boot.admin_login
+        click.echo(
+            f"Dashboard {url}/dashboard: sign in as {email} with this password (shown only once):\n\n"
+            f"{password}\n"
+        )
+    else:
+        click.echo(f"Dashboard: {url}/dashboard")
     served = boot.model.name + (f" and {boot.embed_model.name}" if boot.embed_model else "")
     click.echo(f"Tokenmill {__version__} serving {served} on {url}  (OpenAI base URL: {url}/v1)")
     try:
