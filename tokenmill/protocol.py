@@ -16,18 +16,6 @@ KEYS = "tm:keys"
 DEMAND = "tm:demand"
 
 
-class Grammar(msgspec.Struct):
-    """What a structured output must match (the engine masks every token to it).
-
-    kind: json_schema (spec: the schema as JSON text) | json_object (any JSON object; spec
-    unused) | regex (spec: the pattern, matched as a whole) | lark (spec: a grammar in
-    llguidance's Lark dialect, which may embed JSON schemas with `%json {...}`).
-    """
-
-    kind: str
-    spec: str = ""
-
-
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,7 +30,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; None = off
-    grammar: Grammar | None = None  # structured output / tool calls; None = free text
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
