@@ -12,6 +12,11 @@ CPU), the routing decision itself stands in for the events, so a tenant's concur
 requests follow its first one instead of each computing the prefix on another worker.
 `round_robin` and `least_loaded` ignore the caches (baselines, and fleets whose prompts
 share nothing).
+
+A request naming a LoRA adapter prefers, after prefix overlap, the workers whose heartbeats
+list the adapter as loaded (or that were just sent a request for it): elsewhere the worker
+first has to fetch and read the adapter. `least_loaded` uses the same preference between
+equally loaded workers.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class FleetView(WorkerTable, Background):
         # worker id -> hex hash -> monotonic deadline: blocks of prompts routed there that its
         # KV events have not reported yet. Insertion-ordered with one TTL, so oldest first.
         self.pending: dict[str, dict[str, float]] = {}
+        # worker id -> adapter id -> monotonic deadline: adapters of requests routed there that
+        # its heartbeats do not list yet (it loads them on demand).
+        self.pending_adapters: dict[str, dict[str, float]] = {}
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
@@ -91,21 +99,42 @@ class FleetView(WorkerTable, Background):
         if isinstance(ev, WorkerDeparture):
             self.cached.pop(ev.worker_id, None)
             self.pending.pop(ev.worker_id, None)
+            self.pending_adapters.pop(ev.worker_id, None)
         self._changed.set()
 
     def pick(
-        self, deployment_id: str, exclude: Collection[str] = (), hashes: Sequence[str] = ()
+        self,
+        deployment_id: str,
+        exclude: Collection[str] = (),
+        hashes: Sequence[str] = (),
+        adapter: str | None = None,
     ) -> WorkerState | None:
-        """A live worker of the deployment for a prompt with block hashes `hashes`, by the
-        routing policy; None if there is none (outside `exclude`)."""
+        """A live worker of the deployment for a prompt with block hashes `hashes` (using
+        LoRA `adapter`), by the routing policy; None if there is none (outside `exclude`)."""
         candidates = [w for w in self.live(deployment_id) if w.worker_id not in exclude]
         if not candidates:
             return None
+        now = time.monotonic()
         if self.routing == "round_robin":
-            return self._round_robin(deployment_id, candidates)
-        if self.routing == "least_loaded":
-            return min(candidates, key=lambda w: (w.load, w.kv_usage, w.worker_id))
-        return self._prefix(candidates, hashes)
+            chosen = self._round_robin(deployment_id, candidates)
+        elif self.routing == "least_loaded":
+            chosen = min(
+                candidates, key=lambda w: (w.load, self._lacks(w, adapter, now), w.kv_usage, w.worker_id)
+            )
+        else:
+            chosen = self._prefix(candidates, hashes, adapter, now)
+        if adapter is not None and adapter not in chosen.adapters:
+            pending = self.pending_adapters.setdefault(chosen.worker_id, {})
+            for stale in [a for a, deadline in pending.items() if deadline <= now]:
+                del pending[stale]
+            pending[adapter] = now + PENDING_SECONDS
+        return chosen
+
+    def _lacks(self, worker: WorkerState, adapter: str | None, now: float) -> bool:
+        """Whether the worker would have to load `adapter` first (False without one)."""
+        if adapter is None or adapter in worker.adapters:
+            return False
+        return self.pending_adapters.get(worker.worker_id, {}).get(adapter, 0.0) <= now
 
     def _round_robin(self, deployment_id: str, candidates: list[WorkerState]) -> WorkerState:
         # Ordered by id so the cycle is stable while heartbeats reorder nothing; a worker that
@@ -115,17 +144,26 @@ class FleetView(WorkerTable, Background):
         self._turn[deployment_id] = turn + 1
         return candidates[turn % len(candidates)]
 
-    def _prefix(self, candidates: list[WorkerState], hashes: Sequence[str]) -> WorkerState:
+    def _prefix(
+        self, candidates: list[WorkerState], hashes: Sequence[str], adapter: str | None, now: float
+    ) -> WorkerState:
         """The worker holding (or about to hold) the longest prefix of `hashes` among those
-        not much busier than the least loaded, the idler of equals; if none holds any of it,
-        the one with the smallest cache footprint. The choice is remembered as pending blocks."""
+        not much busier than the least loaded, then one holding `adapter`, the idler of equals;
+        if none holds any of the prefix, one holding the adapter, then the one with the smallest
+        cache footprint. The choice is remembered as pending blocks."""
         least = min(w.load for w in candidates)
         eligible = [w for w in candidates if w.load <= least + IMBALANCE]
-        now = time.monotonic()
         scored = [(self._expected_overlap(w.worker_id, hashes, now), w) for w in eligible]
         best = max(score for score, _ in scored)
         if best > 0:
-            chosen = min((w for score, w in scored if score == best), key=lambda w: (w.load, w.kv_usage))
+            chosen = min(
+                (w for score, w in scored if score == best),
+                key=lambda w: (self._lacks(w, adapter, now), w.load, w.kv_usage),
+            )
+        elif adapter is not None and any(not self._lacks(w, adapter, now) for w in eligible):
+            # Where the adapter is loaded already, rather than fetch it onto another worker.
+            holders = [w for w in eligible if not self._lacks(w, adapter, now)]
+            chosen = min(holders, key=lambda w: (self._footprint(w.worker_id, now), w.load, w.kv_usage))
         else:
             # A miss computes the whole prompt wherever it goes; what the choice decides is
             # where this prefix will live. The worker holding the fewest blocks (ours pending
@@ -188,6 +226,7 @@ class FleetView(WorkerTable, Background):
         """Drop a worker that failed a request; its next heartbeat brings it back."""
         self.workers.pop(worker_id, None)
         self.pending.pop(worker_id, None)
+        self.pending_adapters.pop(worker_id, None)
 
     async def wait_for(
         self,
@@ -196,13 +235,14 @@ class FleetView(WorkerTable, Background):
         exclude: Collection[str] = (),
         hashes: Sequence[str] = (),
         request_id: str = "",
+        adapter: str | None = None,
     ) -> WorkerState | None:
         """A worker by `pick`, waiting up to `wait` seconds for one to appear. While the
         deployment has no live worker at all, the wait is announced on the bus about once a
         second, so the autoscaler wakes a deployment scaled to zero (a cold start)."""
         deadline = time.monotonic() + wait
         announced = -math.inf
-        while (worker := self.pick(deployment_id, exclude, hashes)) is None:
+        while (worker := self.pick(deployment_id, exclude, hashes, adapter)) is None:
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:

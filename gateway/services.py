@@ -46,6 +46,7 @@ class Target:
     adapter_id: str | None = None
     kind: str = "generate"  # of the deployment: generate | embed
     dedicated: bool = False  # billed by GPU-hour, so its tokens cost nothing per token
+    adapter_key: str | None = None  # storage folder of the adapter's files, for the worker
 
     @property
     def priced_model(self) -> str | None:
@@ -137,6 +138,7 @@ class Gateway:
             adapter.id if adapter else None,
             dep.kind,
             dep.type == "dedicated",
+            adapter_key=adapter.storage_key if adapter else None,
         )
         if len(self._targets) >= CATALOG_MAX:  # many orgs x names: start over rather than grow
             self._targets.clear()
@@ -190,6 +192,7 @@ class Gateway:
                 adapter=target.adapter_id,
                 cache_salt=caller.cache_salt,
                 fairness_key=caller.org_id,
+                adapter_key=target.adapter_key,
             )
         )
         # The prompt's chained block hashes, salted per organisation (and adapter) exactly as
@@ -289,7 +292,12 @@ class Gateway:
     ) -> WorkerState:
         wait = self.settings.worker_wait_seconds if not tried else 2 * self.settings.heartbeat_seconds
         worker = await self.fleet.wait_for(
-            target.deployment_id, wait, exclude=tried, hashes=hashes, request_id=request_id
+            target.deployment_id,
+            wait,
+            exclude=tried,
+            hashes=hashes,
+            request_id=request_id,
+            adapter=target.adapter_id,
         )
         if worker is None:
             raise APIError(

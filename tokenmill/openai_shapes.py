@@ -47,9 +47,20 @@ from tokenmill.openai_types import (
     ErrorResponse,
     FinishReason,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from tokenmill.protocol import GenerateDelta, SamplingParams
+from tokenmill.structured import (
+    arguments_schema,
+    may_be_tool_call,
+    parse_tool_calls,
+    render_tool_calls,
+    response_grammar,
+    tool_plan,
+    tool_preamble,
+)
 from tokenmill.tokenization import Tokenizer
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -77,18 +88,53 @@ class Prompt:
 def chat_prompt(
     req: ChatCompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
 ) -> Prompt:
-    """Render the chat template and tokenize; `defaults` fill sampling fields the request omits."""
-    reject_unsupported(req.n, req.tools, req.response_format, bool(req.logprobs))
-    messages = [message_dict(m) for m in req.messages]
+    """Render the chat template and tokenize; `defaults` fill sampling fields the request omits.
+
+    Tools and response formats become the grammar the engine holds the output to.
+    """
+    reject_unsupported(req.n, bool(req.logprobs))
+    plan = tool_plan(req)
+    # A template that renders `tools` itself gets them (and history in HF's shape); others
+    # get a system preamble and history in Tokenmill's tool-call format (tokenmill.structured).
+    native = "tools" in (tok.chat_template or "")
+    messages = [message_dict(m, native_tools=native) for m in req.messages]
+    tools = None
+    if plan is not None and native:
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f.name,
+                    "description": f.description or "",
+                    "parameters": arguments_schema(f),
+                },
+            }
+            for f in plan.offered
+        ]
+    elif plan is not None:
+        messages = with_system(messages, tool_preamble(plan))
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except Exception as exc:  # a template may raise on e.g. wrong role order
         raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
     ids = tok.encode(text)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return Prompt(
-        ids, sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
-    )
+    sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
+    sampling.grammar = plan.grammar if plan is not None else response_grammar(req)
+    return Prompt(ids, sampling)
+
+
+def with_system(messages: list[dict[str, object]], text: str) -> list[dict[str, object]]:
+    """`text` appended to the system message, or as one at the start if there is none."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}".strip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def uses_tools(req: OpenAIRequest) -> bool:
+    """Whether the answer may be tool calls (then the text is parsed for them)."""
+    return isinstance(req, ChatCompletionRequest) and bool(req.tools) and req.tool_choice != "none"
 
 
 def new_request_id() -> str:
@@ -160,7 +206,7 @@ def completion_prompt(
     req: CompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
 ) -> Prompt:
     """Tokenize a text prompt (or take token ids as they are)."""
-    reject_unsupported(req.n, None, None, req.logprobs is not None)
+    reject_unsupported(req.n, req.logprobs is not None)
     if req.echo or req.suffix:
         raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
     prompt = req.prompt
@@ -178,9 +224,11 @@ def completion_prompt(
         )
     if not ids:
         raise APIError(400, "The prompt must not be empty.", param="prompt")
-    return Prompt(
-        ids, sampling_params(req, ids, req.max_tokens or 16, context_length=context_length, defaults=defaults)
+    sampling = sampling_params(
+        req, ids, req.max_tokens or 16, context_length=context_length, defaults=defaults
     )
+    sampling.grammar = response_grammar(req)  # guided_json / guided_regex / ...
+    return Prompt(ids, sampling)
 
 
 def sampling_params(
@@ -224,8 +272,12 @@ def sampling_params(
     )
 
 
-def message_dict(m: ChatMessage) -> dict[str, object]:
-    """A message as chat templates expect it: plain text content, `developer` read as `system`."""
+def message_dict(m: ChatMessage, native_tools: bool = False) -> dict[str, object]:
+    """A message as chat templates expect it: plain text content, `developer` read as `system`.
+
+    Earlier tool calls go to a template that knows tools in HF's shape (arguments as an
+    object); otherwise they are written into the content as the model is asked to write them.
+    """
     content = m.content
     if isinstance(content, list):
         if any(p.type != "text" for p in content):
@@ -234,17 +286,27 @@ def message_dict(m: ChatMessage) -> dict[str, object]:
     out: dict[str, object] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
     if m.name:
         out["name"] = m.name
+    if m.tool_calls and native_tools:
+        out["tool_calls"] = [_hf_tool_call(c) for c in m.tool_calls]
+    elif m.tool_calls:
+        out["content"] = f"{out['content']}{render_tool_calls(m.tool_calls)}"
+    if m.tool_call_id and native_tools:
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 
-def reject_unsupported(n: int, tools: object, response_format: dict[str, Any] | None, logprobs: bool) -> None:
+def _hf_tool_call(c: ToolCall) -> dict[str, object]:
+    try:
+        arguments: object = msgspec.json.decode(c.function.arguments)
+    except msgspec.DecodeError:
+        arguments = c.function.arguments
+    return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}}
+
+
+def reject_unsupported(n: int, logprobs: bool) -> None:
     # Refused up front rather than silently ignored: a client relying on them must know.
     if n != 1:
         raise APIError(400, "Only n = 1 is supported for now.", param="n")
-    if tools:
-        raise APIError(400, "Tool calling is not supported yet.", param="tools")
-    if response_format and response_format.get("type") not in (None, "text"):
-        raise APIError(400, "Only response_format 'text' is supported yet.", param="response_format")
     if logprobs:
         raise APIError(400, "logprobs are not supported yet.", param="logprobs")
 
@@ -333,17 +395,36 @@ async def sse_events(
     first: GenerateDelta,
     deltas: AsyncGenerator[GenerateDelta, None],
     include_usage: bool,
+    tools: bool = False,
 ) -> AsyncIterator[bytes]:
-    """SSE `data:` lines for `first` then `deltas`, ending in `data: [DONE]`; closes `deltas`."""
+    """SSE `data:` lines for `first` then `deltas`, ending in `data: [DONE]`; closes `deltas`.
+
+    With `tools`, text that is (or may still become) a tool call is held back; a complete call
+    goes out as one `tool_calls` delta, anything else as the text it is.
+    """
     last, is_first = first, True
+    held: str | None = "" if tools else None  # None once the answer is known to be text
     try:
         async for d in _achain(first, deltas):
             last = d
             fin = finish_reason(d)
+            text = d.text
+            if held is not None:
+                held += text
+                calls = parse_tool_calls(held) if fin else None
+                if calls:
+                    for chunk in tool_call_chunks(object_id, created, model, calls, is_first):
+                        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                    is_first = False
+                    continue
+                if fin is None and may_be_tool_call(held):
+                    text = ""
+                else:
+                    text, held = held, None
             # Empty deltas (e.g. a token held back as a possible stop string) are skipped,
             # but the first chunk always goes out: it carries the assistant role.
-            if d.text or fin or is_first:
-                chunk = shape.chunk(object_id, created, model, d.text, fin, is_first)
+            if text or fin or is_first:
+                chunk = shape.chunk(object_id, created, model, text, fin, is_first)
                 yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
                 is_first = False
         if include_usage:
@@ -354,6 +435,38 @@ async def sse_events(
     finally:
         await deltas.aclose()
     yield b"data: [DONE]\n\n"
+
+
+def tool_call_completion(
+    object_id: str, created: int, model: str, calls: list[ToolCall], u: Usage
+) -> ChatCompletion:
+    message = AssistantMessage(content=None, tool_calls=calls)
+    choice = ChatChoice(index=0, message=message, finish_reason="tool_calls")
+    return ChatCompletion(id=object_id, created=created, model=model, usage=u, choices=[choice])
+
+
+def tool_call_chunks(
+    object_id: str, created: int, model: str, calls: list[ToolCall], first: bool
+) -> list[ChatCompletionChunk]:
+    """The calls in one delta (each whole: OpenAI splits arguments, clients join either), then
+    the end of the choice."""
+    deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
+    return [
+        ChatCompletionChunk(
+            id=object_id,
+            created=created,
+            model=model,
+            choices=[
+                ChunkChoice(index=0, delta=Delta(role="assistant" if first else None, tool_calls=deltas))
+            ],
+        ),
+        ChatCompletionChunk(
+            id=object_id,
+            created=created,
+            model=model,
+            choices=[ChunkChoice(index=0, delta=Delta(), finish_reason="tool_calls")],
+        ),
+    ]
 
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
@@ -449,11 +562,15 @@ async def respond(
         if collected is None:
             return Response(b"", status_code=499, headers=headers)  # nobody is listening
         text, last = collected
-        obj = shape.final(object_id, created, model, text, finish_reason(last), usage(last))
+        calls = parse_tool_calls(text) if uses_tools(body) else None
+        if calls:
+            obj: msgspec.Struct = tool_call_completion(object_id, created, model, calls, usage(last))
+        else:
+            obj = shape.final(object_id, created, model, text, finish_reason(last), usage(last))
         return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Stream(
-        sse_events(shape, object_id, created, model, first, deltas, include_usage),
+        sse_events(shape, object_id, created, model, first, deltas, include_usage, uses_tools(body)),
         media_type="text/event-stream",
         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
     )

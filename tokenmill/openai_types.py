@@ -19,7 +19,9 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0, extra_json_schema=_MIN_0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 # OpenAI clients know only these; an aborted or failed generation still ends as "stop".
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+# OpenAI's rule for function and schema names.
+Name = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
 class StreamOptions(msgspec.Struct):
@@ -31,12 +33,70 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+# --- tools and structured outputs ----------------------------------------------------------
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct):
+    """A call the model made (in a response, or sent back in an assistant message)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A streamed tool call. Tokenmill sends each call whole, in one chunk."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: Name
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # absent: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -60,6 +120,13 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0, extra_json_schema=_ABOVE_0)] | None = None
     ignore_eos: bool = False
+    # Structured outputs by vLLM's names (one at most, and not with response_format): a JSON
+    # schema, a regex the whole output matches, one of some strings, or a Lark grammar
+    # (llguidance's dialect).
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -67,9 +134,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20, extra_json_schema=_MIN_0)] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -94,6 +162,7 @@ class Usage(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -116,6 +185,7 @@ class ChatCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(msgspec.Struct):

@@ -16,6 +16,18 @@ KEYS = "tm:keys"
 DEMAND = "tm:demand"
 
 
+class Grammar(msgspec.Struct):
+    """What a structured output must match (the engine masks every token to it).
+
+    kind: json_schema (spec: the schema as JSON text) | json_object (any JSON object; spec
+    unused) | regex (spec: the pattern, matched as a whole) | lark (spec: a grammar in
+    llguidance's Lark dialect, which may embed JSON schemas with `%json {...}`).
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -30,6 +42,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; None = off
+    grammar: Grammar | None = None  # structured output / tool calls; None = free text
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
@@ -40,6 +53,17 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     priority: int = 0  # lower runs first: 0 interactive, 1 batch
     fairness_key: str | None = None
+    # Storage folder of `adapter` (adapters/<org>/<adapter id>/), so a worker that has not
+    # loaded it fetches it without searching the storage.
+    adapter_key: str | None = None
+
+
+class LoadAdapter(msgspec.Struct, omit_defaults=True):
+    """Body of a worker's `POST /adapters`: load a LoRA adapter now. Without `key` the worker
+    finds `adapters/<org>/<id>/` in its storage by the id."""
+
+    id: str
+    key: str | None = None
 
 
 class GenerateDelta(msgspec.Struct, omit_defaults=True):

@@ -83,6 +83,17 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(default=2048, description="Token budget of one engine step.")
     kv_cache_gib: float = Field(default=1.0, description="KV cache memory of a CPU worker, in GiB.")
     prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
+    scheduling: Literal["fair", "fcfs"] = Field(
+        default="fair",
+        description="How a worker admits waiting requests: `fair` (per-organisation service counters, "
+        "so one tenant's flood cannot starve the others; priority classes first) or `fcfs`.",
+    )
+    num_speculative_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Speculative decoding on workers: draft tokens (n-gram prompt lookup) verified per "
+        "step for greedy requests while few sequences run; 0 = off.",
+    )
     attention_backend: str | None = Field(
         default=None, description="`torch` or `triton`; default: Triton on CUDA, PyTorch on CPU."
     )
@@ -163,6 +174,20 @@ class Settings(BaseSettings):
     s3_region: str | None = Field(default=None, description="S3 region; default boto3's configuration.")
     max_lora_rank: int = Field(
         default=64, ge=1, description="Largest LoRA rank an uploaded adapter may have."
+    )
+    max_loras: int = Field(
+        default=4,
+        ge=0,
+        description="LoRA adapters a worker runs at once (device slots; others wait for a free one, "
+        "least recently used evicted); 0 = the worker serves no adapters.",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        description="LoRA adapters a worker keeps loaded in CPU memory (listed in its heartbeats); "
+        "default twice `max_loras`.",
+    )
+    lora_backend: str | None = Field(
+        default=None, description="`torch` or `triton` for LoRA; default: Triton on CUDA, PyTorch on CPU."
     )
     autoscaler: Literal["local", "kubernetes", "none"] = Field(
         default="local",

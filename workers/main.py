@@ -144,6 +144,7 @@ def run_worker(
 
             backend = embedder = EmbedBatcher(Encoder(model_dir))
         else:
+            from workers.adapters import AdapterFetcher
             from workers.engine import EngineConfig
             from workers.generator import EngineGenerator
 
@@ -155,8 +156,16 @@ def run_worker(
                     max_num_batched_tokens=settings.max_num_batched_tokens,
                     kv_cache_gib=settings.kv_cache_gib,
                     enable_prefix_caching=settings.prefix_caching,
+                    scheduling=settings.scheduling,
+                    num_speculative_tokens=settings.num_speculative_tokens,
                     attention_backend=settings.attention_backend,
-                )
+                    max_loras=settings.max_loras,
+                    max_lora_rank=settings.max_lora_rank,
+                    max_cpu_loras=settings.max_cpu_loras,
+                    lora_backend=settings.lora_backend,
+                ),
+                # Adapters come from the storage the control plane uploaded them to.
+                fetch_adapter=AdapterFetcher(lambda: open_storage(settings), settings.cache_dir),
             )
         kind = "embed" if embedder is not None else "generate"
         log.info("loaded %s (%s) from %s in %.1fs", name, kind, model_dir, time.perf_counter() - started)
@@ -248,7 +257,7 @@ async def _serve(
     print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
     sys.stderr.flush()
 
-    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, ttft, draining))]
+    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, ttft, draining, generator))]
     if generator is not None:
         tasks.append(asyncio.create_task(_publish_kv(publisher, settings, identity, generator)))
     if parent_pid is not None:
@@ -298,6 +307,7 @@ async def _beat(
     load: Load,
     ttft: RecentTtft,
     draining: asyncio.Event,
+    generator: Generator | None = None,
 ) -> None:
     announced = False
     healthy = True
@@ -323,7 +333,7 @@ async def _beat(
                 running=load.running,
                 waiting=load.waiting,
                 kv_usage=load.kv_usage,
-                adapters=[],
+                adapters=generator.adapters if generator is not None else [],
                 draining=was_draining,
                 ts=time.time(),
                 ttft_p95=ttft.p95(),

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, delete, get, post
 from litestar.handlers import HTTPRouteHandler
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -38,8 +38,9 @@ from prometheus_client.core import CounterMetricFamily
 from tokenmill.errors import APIError, exception_handlers
 from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, model_not_found, respond
 from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest
-from tokenmill.protocol import EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, KvOp
+from tokenmill.protocol import EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, KvOp, LoadAdapter
 from tokenmill.tokenization import Tokenizer
+from workers.adapters import AdapterProblem
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ class Generator(Load, Protocol):
     @property
     def prefix_cache_hits(self) -> int: ...
 
+    @property
+    def spec_draft_tokens(self) -> int: ...
+
+    @property
+    def spec_accepted_tokens(self) -> int: ...
+
     # For the OpenAI endpoints, which tokenize here instead of in the gateway.
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -117,6 +124,15 @@ class Generator(Load, Protocol):
     def drain_kv_events(self) -> list[KvOp]: ...
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
+
+    # LoRA adapters: loaded ones (heartbeats list them), load (unless loaded) and unload;
+    # failures raise workers.adapters.AdapterProblem.
+    @property
+    def adapters(self) -> list[str]: ...
+
+    async def load_adapter(self, adapter_id: str, key: str | None = None) -> list[str]: ...
+
+    async def unload_adapter(self, adapter_id: str) -> None: ...
 
 
 class Embedder(Load, Protocol):
@@ -196,6 +212,16 @@ class _Metrics:
                     "Prompt tokens looked up in the prefix cache.",
                 ),
                 ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "spec_draft_tokens",
+                    "Draft tokens proposed and verified (speculative decoding).",
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "spec_accepted_tokens",
+                    "Draft tokens the model accepted (speculative decoding).",
+                ),
             ):
                 _EngineCounter(name, doc, model, lambda a=attr: getattr(generator, a), registry)
         return cls(
@@ -433,6 +459,14 @@ def _generation_routes(
             generator.validate(req)
         except ValueError as exc:
             return error_response(400, str(exc), param=getattr(exc, "param", None))
+        if req.adapter is not None:  # loaded on demand, before the stream starts: errors get a status
+            try:
+                await generator.load_adapter(req.adapter, req.adapter_key)
+            except AdapterProblem as exc:
+                # The gateway passes a 400 on to the caller and tries another worker otherwise:
+                # busy slots or a storage hiccup may be fine elsewhere, missing files are not.
+                status = 400 if exc.status in (400, 404) else 503
+                return error_response(status, str(exc), code=exc.code, param="adapter")
         return Stream(stream(req), media_type=NDJSON)
 
     @post("/v1/chat/completions", status_code=200)
@@ -453,4 +487,39 @@ def _generation_routes(
         )
         return await respond(request, data, info.model, openai_deltas(prompt, "prompt"))
 
-    return [generate, chat, completions]
+    return [generate, chat, completions, *_adapter_routes(generator)]
+
+
+def _adapter_routes(generator: Generator) -> list[HTTPRouteHandler]:
+    """Load, list and unload LoRA adapters on a running worker. Requests load what they name
+    on demand; these let an operator (or a deployment's warm-up) place adapters ahead of time."""
+    decoder = msgspec.json.Decoder(LoadAdapter)
+
+    def problem(exc: AdapterProblem) -> Response[dict[str, Any]]:
+        return error_response(exc.status, str(exc), code=exc.code, param="adapter")
+
+    @get("/adapters")
+    async def listing() -> dict[str, list[str]]:
+        return {"adapters": generator.adapters}
+
+    @post("/adapters", status_code=200)
+    async def load(request: Request[Any, Any, Any]) -> Response[Any]:
+        try:
+            body = decoder.decode(await request.body())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return error_response(400, f"invalid adapter request: {exc}")
+        try:
+            evicted = await generator.load_adapter(body.id, body.key)
+        except AdapterProblem as exc:
+            return problem(exc)
+        return Response({"id": body.id, "loaded": True, "evicted": evicted, "adapters": generator.adapters})
+
+    @delete("/adapters/{adapter_id:str}", status_code=200)
+    async def unload(adapter_id: FromPath[str]) -> Response[Any]:
+        try:
+            await generator.unload_adapter(adapter_id)
+        except AdapterProblem as exc:
+            return problem(exc)
+        return Response({"id": adapter_id, "deleted": True, "adapters": generator.adapters})
+
+    return [listing, load, unload]

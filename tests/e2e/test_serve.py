@@ -237,6 +237,37 @@ def test_openai_sdk_sync_and_async_on_every_endpoint(server: Server) -> None:
     asyncio.run(run_async())
 
 
+def test_structured_output_and_tool_call(server: Server) -> None:
+    """Issue 7 through the whole server: the SDK's `parse` with a pydantic model, and a tool call."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    done = server.client().chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Extract the person as JSON.\nText: Tom Brown is 52."}],
+        response_format=Person,
+        temperature=0,
+        max_tokens=40,
+    )
+    assert done.choices[0].message.parsed == Person(name="Tom Brown", age=52)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    reply = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="required",
+        temperature=0,
+        max_tokens=40,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'  # type: ignore[union-attr]
+
+
 def test_missing_or_wrong_key_is_401(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError) as err:
         server.client(key="tm-" + "x" * 48).models.list()

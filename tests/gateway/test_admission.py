@@ -228,6 +228,7 @@ async def test_adapters_belong_to_their_organisation(gateway_env: Env) -> None:
     target = await gw.resolve(a, MODEL)
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         adapter = Adapter(org_id=a.org_id, model_id=target.model_id, name="a-support-bot", source="x")
+        adapter.storage_key = f"adapters/{a.org_id}/ad-1/"
         s.add(adapter)
     assert "a-support-bot" in [m.id for m in (await sdk(gateway_env, a_key).models.list()).data]
     assert "a-support-bot" not in [m.id for m in (await sdk(gateway_env, b_key).models.list()).data]
@@ -237,6 +238,7 @@ async def test_adapters_belong_to_their_organisation(gateway_env: Env) -> None:
     assert reply.model == "a-support-bot"
     sent = w.received[-1]
     assert sent.adapter == adapter.id and sent.cache_salt == a.cache_salt
+    assert sent.adapter_key == adapter.storage_key  # where a worker without it fetches it
     # the adapter is part of the prefix-cache key: the same prompt hashes differently
     assert hash_blocks(list(range(32)), 16, extra_keys(a.cache_salt, adapter.id)) != hash_blocks(
         list(range(32)), 16, extra_keys(a.cache_salt, None)

@@ -164,3 +164,52 @@ async def test_tails_both_streams_from_the_bus() -> None:
     finally:
         await fleet.stop()
         await bus.close()
+
+
+# --- LoRA adapters: prefer workers that have the adapter loaded ------------------------------
+
+
+def _beat(fleet: FleetView, worker: str, load: int = 0, adapters: tuple[str, ...] = ()) -> None:
+    fleet.apply(
+        Heartbeat(worker, DEP, f"http://{worker}", "m", running=load, adapters=list(adapters), ts=time.time())
+    )
+
+
+def _adapter_hashes(salt: str, adapter: str) -> list[str]:
+    return [h.hex() for h in hash_blocks(PROMPT, 16, extra_keys(salt, adapter))]
+
+
+def test_prefers_workers_holding_the_adapter() -> None:
+    fleet = _fleet(0, 0, 0)
+    _beat(fleet, "w1", load=1, adapters=("ad-1",))
+    h = _adapter_hashes("org-a", "ad-1")
+    # Cached nowhere: the worker with the adapter loaded, though a little busier.
+    assert fleet.pick(DEP, hashes=h, adapter="ad-1").worker_id == "w1"
+    assert fleet.pick(DEP, hashes=_hashes("org-b")).worker_id != "w1"  # no adapter: no pull
+    # A cached prefix still comes first (the prompt's blocks are what saves the most work).
+    h2 = _adapter_hashes("org-d", "ad-1")
+    fleet.apply_kv(KvEvents("w2", DEP, [KvOp("stored", h2[:2])]))
+    assert fleet.pick(DEP, hashes=h2, adapter="ad-1").worker_id == "w2"
+    # Much busier than the others: loading the adapter elsewhere beats queueing there.
+    _beat(fleet, "w1", load=IMBALANCE + 1, adapters=("ad-1",))
+    assert fleet.pick(DEP, hashes=_adapter_hashes("org-c", "ad-1"), adapter="ad-1").worker_id != "w1"
+
+
+def test_a_routed_adapter_attracts_its_followers_before_the_heartbeat() -> None:
+    fleet = _fleet(0, 0)
+    first = fleet.pick(DEP, adapter="ad-2")
+    assert first is not None and fleet.pending_adapters[first.worker_id]
+    other = "w1" if first.worker_id == "w0" else "w0"
+    _beat(fleet, first.worker_id, load=1)  # busier now, and its heartbeat does not list it yet
+    assert fleet.pick(DEP, adapter="ad-2").worker_id == first.worker_id
+    assert fleet.pick(DEP).worker_id == other
+    fleet.forget(first.worker_id)
+    assert first.worker_id not in fleet.pending_adapters
+
+
+def test_least_loaded_breaks_ties_by_adapter() -> None:
+    fleet = _fleet(0, 0, routing="least_loaded")
+    _beat(fleet, "w1", adapters=("ad-3",))
+    assert fleet.pick(DEP, adapter="ad-3").worker_id == "w1"
+    _beat(fleet, "w1", load=1, adapters=("ad-3",))
+    assert fleet.pick(DEP, adapter="ad-3").worker_id == "w0"  # load first

@@ -308,6 +308,9 @@ async def test_metrics(client: httpx.AsyncClient, generator: EngineGenerator) ->
         k.startswith("vllm:request_success_total{") and 'finished_reason="length"' in k for k in samples
     )
     assert 0 <= samples[f"vllm:kv_cache_usage_perc{label}"] <= 1
+    # Speculative decoding is off by default: its counters are there, at zero.
+    assert samples[f"vllm:spec_decode_num_draft_tokens_total{label}"] == 0
+    assert samples[f"vllm:spec_decode_num_accepted_tokens_total{label}"] == 0
     await _generate(client, prompt, temperature=0, max_tokens=2)  # the same prompt again: a cache hit
     again = (await client.get("/metrics", headers=AUTH)).text
     queries = float(re.search(r"vllm:prefix_cache_queries_total\{[^}]*\} (\S+)", again).group(1))

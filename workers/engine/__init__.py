@@ -26,6 +26,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
     "Output": "engine",
     "SamplingParams": "sampling",
+    "Grammar": "structured",  # SamplingParams(grammar=Grammar("json_schema", ...)): structured output
 }
 
 __all__ = list(_EXPORTS)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +36,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    """A function to run on the engine thread between steps (e.g. loading an adapter)."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._requests: dict[str, _Add] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -76,6 +85,13 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine thread, between two steps; its result or exception here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(_Call(lambda: fn(*args), loop, future))
+        return await future
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -118,7 +134,14 @@ class AsyncEngine:
                 if out.finish_reason is not None and self.engine.is_done(out.request_id):
                     self._requests.pop(out.request_id, None)
 
-    def _apply(self, msg: _Add | _Abort) -> None:
+    def _apply(self, msg: _Add | _Abort | _Call) -> None:
+        if isinstance(msg, _Call):
+            try:
+                result, error = msg.fn(), None
+            except Exception as exc:
+                result, error = None, exc
+            msg.loop.call_soon_threadsafe(_settle, msg.future, result, error)
+            return
         if isinstance(msg, _Abort):
             if self._requests.pop(msg.request_id, None) is not None:
                 self.engine.abort(msg.request_id)
@@ -132,3 +155,12 @@ class AsyncEngine:
 
 
 _NOTHING: Any = object()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
+    if future.done():  # the caller went away (cancelled) meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -237,6 +237,20 @@ class BlockManager:
         seq.block_table.clear()
         self._committed.pop(seq.seq_id, None)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past a running sequence's first `num_tokens` tokens (the KV of
+        rejected speculative tokens). Such blocks were taken for it alone and never committed
+        (only blocks of computed tokens are), so they go straight back to the free list; KV left
+        in the last kept block past `num_tokens` is never read and gets overwritten."""
+        keep = _cdiv(num_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise RuntimeError(f"block {block_id} is shared or cached: it cannot be truncated")
+            block.ref_count = 0
+            self._free.append(block_id)
+        del seq.block_table[keep:]
+
     def _emit(self, event: KVEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)

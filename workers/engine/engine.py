@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,10 +16,17 @@ from workers.engine.attention import select_backend
 from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model
+from workers.engine.lora import AdapterError, LoraAdapter, load_adapter
+from workers.engine.lora_layers import LoraState, attach_lora, select_lora_backend
+from workers.engine.lora_slots import AdapterSlots
 from workers.engine.runner import ModelRunner
 from workers.engine.sampling import SampleOutput, Sampler, SampleRow, SamplingParams, make_generator
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
+from workers.engine.spec import NgramProposer
+from workers.engine.structured import Matcher, StructuredOutputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,6 +43,23 @@ class EngineConfig:
     num_blocks: int | None = None  # fixed pool size, overriding the budgets
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # "torch" | "triton"; default by device
+    # LoRA: device slots for adapters used by running requests (0 = no LoRA), the largest rank,
+    # adapters kept loaded on the CPU (default 2 * max_loras), "torch" | "triton" (by device).
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_backend: str | None = None
+    # Admission across fairness keys (tenants): "fair" (virtual token counters) or "fcfs"; the
+    # service charged per prompt token computed and per token generated.
+    scheduling: str = "fair"
+    fair_weights: tuple[float, float] = (1.0, 2.0)
+    # Speculative decoding by n-gram prompt lookup (greedy requests only): draft tokens verified
+    # per step (0 = off), the n-gram sizes looked up, and the most running sequences at which it
+    # still speculates (a large batch keeps the hardware busy already; drafts would slow it).
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 8
 
 
 @dataclass(slots=True)
@@ -62,6 +87,7 @@ class _Stream:
     stops: StopStringMatcher
     generator: torch.Generator | None
     max_tokens: int
+    matcher: Matcher | None = None  # where the sequence is in its grammar (structured output)
 
 
 @dataclass(slots=True)
@@ -70,10 +96,23 @@ class Stats:
     generation_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0
+    spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of those, the ones the model confirmed
+
+
+# What `add_request` calls for an adapter it has not loaded: a PEFT directory (or the adapter
+# itself) for that id; raising AdapterError (or FileNotFoundError) refuses the request.
+AdapterLoader = Callable[[str], str | Path | LoraAdapter]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, on_kv_event: Callable[[object], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_kv_event: Callable[[object], None] | None = None,
+        *,
+        adapter_loader: AdapterLoader | None = None,
+    ) -> None:
         self.config = config
         if config.device is None:
             config.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,15 +142,40 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             on_event=on_kv_event,
         )
+        # LoRA: the adapted projections read the slots; a sequence starts once its adapter has one.
+        self.adapters: AdapterSlots | None = None
+        self.adapter_loader = adapter_loader
+        lora: LoraState | None = None
+        if config.max_loras > 0:
+            self.adapters = AdapterSlots(
+                cfg,
+                max_loras=config.max_loras,
+                max_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                dtype=config.dtype,
+                device=device,
+            )
+            lora = attach_lora(self.model, self.adapters, select_lora_backend(device, config.lora_backend))
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                policy=config.scheduling,
+                prompt_weight=config.fair_weights[0],
+                output_weight=config.fair_weights[1],
             ),
             self.block_manager,
+            admit=self._admit if self.adapters is not None else None,
         )
-        self.runner = ModelRunner(self.model, cfg, kv_caches, config.block_size, device)
+        self.runner = ModelRunner(self.model, cfg, kv_caches, config.block_size, device, lora=lora)
         self.sampler = Sampler()
+        self.proposer = (
+            NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.num_speculative_tokens > 0
+            else None
+        )
         self.eos_token_ids = frozenset(cfg.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.max_model_len = cfg.max_position_embeddings
         self.stats = Stats()
         self._streams: dict[int, _Stream] = {}
@@ -150,6 +214,11 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine holds {pool_tokens}"
             )
+        if adapter_id is not None and adapter_id not in self.adapter_ids:
+            self._load_on_demand(adapter_id)
+        # Compiled once per request (GrammarError, a ValueError, if it does not compile); each
+        # sample walks the grammar on its own copy.
+        matcher = self.structured.matcher(params.grammar) if params.grammar is not None else None
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
@@ -172,11 +241,79 @@ class LLMEngine:
                 stops=StopStringMatcher(params.stop),
                 generator=make_generator(params.seed, index),
                 max_tokens=max_tokens,
+                matcher=matcher.copy() if matcher is not None and index else matcher,
             )
             self.scheduler.add(seq)
             seqs.append(seq)
         self._seqs[request_id] = seqs
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    @property
+    def adapter_ids(self) -> tuple[str, ...]:
+        """Loaded adapters, least recently used first (safe to read from any thread)."""
+        return self.adapters.ids if self.adapters is not None else ()
+
+    def read_adapter(self, path: str | Path, adapter_id: str) -> LoraAdapter:
+        """Parse a PEFT directory for this model; touches no engine state, so a server can
+        run it off the engine thread and hand the result to `add_adapter`."""
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters (max_loras is 0)")
+        return load_adapter(
+            path,
+            self.model_config,
+            adapter_id=adapter_id,
+            max_rank=self.config.max_lora_rank,
+            dtype=self.config.dtype or torch.float32,
+        )
+
+    def add_adapter(self, adapter: LoraAdapter | str | Path, adapter_id: str | None = None) -> list[str]:
+        """Load an adapter (a LoraAdapter, or a PEFT directory read now under `adapter_id`);
+        returns the ids evicted to make room. It takes a device slot when a request uses it."""
+        if not isinstance(adapter, LoraAdapter):
+            adapter = self.read_adapter(adapter, adapter_id or Path(adapter).name)
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters (max_loras is 0)")
+        return self.adapters.add(adapter, self._adapters_in_use)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        """Unload an adapter; AdapterError if unknown, AdapterBusy while requests use it."""
+        if self.adapters is None:
+            raise AdapterError(f"adapter {adapter_id!r} is not loaded")
+        self.adapters.remove(adapter_id, self._adapters_in_use)
+
+    def _load_on_demand(self, adapter_id: str) -> None:
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters (max_loras is 0)")
+        if self.adapter_loader is None:
+            raise AdapterError(f"adapter {adapter_id!r} is not loaded")
+        try:
+            source = self.adapter_loader(adapter_id)
+        except FileNotFoundError as exc:
+            raise AdapterError(f"adapter {adapter_id!r} cannot be found: {exc}") from None
+        except Exception as exc:  # refuses this request; it must not reach the step loop
+            raise AdapterError(f"adapter {adapter_id!r} cannot be loaded: {exc}") from exc
+        self.add_adapter(source, adapter_id)
+
+    def _adapters_in_use(self) -> set[str]:
+        """Adapters of unfinished sequences (running or waiting): never unloaded."""
+        return {
+            s.adapter_id
+            for seqs in self._seqs.values()
+            for s in seqs
+            if s.adapter_id is not None and not s.is_finished
+        }
+
+    def _admit(self, seq: Sequence) -> bool:
+        """The scheduler's gate: a sequence starts once its adapter is in a device slot."""
+        if seq.adapter_id is None:
+            return True
+        assert self.adapters is not None
+        return self.adapters.acquire(
+            seq.adapter_id,
+            lambda: {s.adapter_id for s in self.scheduler.running if s.adapter_id is not None},
+        )
 
     def abort(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
@@ -193,6 +330,8 @@ class LLMEngine:
     # --- one step ------------------------------------------------------------------------
 
     def step(self) -> list[Output]:
+        if self.proposer is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         batch = scheduled.batch
         # Sequences the scheduler gave up on (too long for the whole KV pool) end here.
@@ -200,9 +339,18 @@ class LLMEngine:
         if not batch:
             return outputs
         started = time.perf_counter()
-        logits = self.runner.execute(batch)
+        accepted: dict[int, int] | None = None
+        if self.proposer is not None and any(seq.spec_token_ids for seq, _ in batch):
+            logits = self.runner.execute(batch, [1 + len(seq.spec_token_ids) for seq, _ in batch])
+            logits, accepted = self._verify(batch, logits)
+        else:
+            logits = self.runner.execute(batch)
         # Only sequences whose prompt (or recompute) completes in this step get a token.
-        picks = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq.token_ids)]
+        picks = [
+            i
+            for i, (seq, n) in enumerate(batch)
+            if seq.num_computed_tokens + n == len(seq.token_ids) + len(seq.spec_token_ids)
+        ]
         sampled: dict[int, int] = {}
         if picks:
             rows = []
@@ -218,18 +366,86 @@ class LLMEngine:
                         generator=self._streams[seq.seq_id].generator,
                     )
                 )
+            # After the forward is launched and before its logits are read: on a GPU the masks
+            # are computed on the CPU while the model runs.
+            self._grammar_masks([batch[i][0] for i in picks], rows)
             result = self.sampler(logits[picks], rows)
             for j, i in enumerate(picks):
                 sampled[batch[i][0].seq_id] = result.token_ids[j]
-        self.scheduler.update(batch, sampled)
+        self.scheduler.update(batch, sampled, accepted)
         if picks:
             for j, i in enumerate(picks):
                 seq = batch[i][0]
-                outputs.append(self._emit(seq, result, j))
+                new = 1 + accepted.get(seq.seq_id, 0) if accepted else 1
+                outputs.append(self._emit(seq, result, j, new))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - started
-        self.stats.generation_tokens += len(sampled)
+        self.stats.generation_tokens += len(sampled) + (sum(accepted.values()) if accepted else 0)
         return outputs
+
+    # --- speculative decoding ------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Draft tokens for the running decodes that can verify them exactly, unless the batch
+        is large. Only plain greedy rows speculate: the greedy token is an argmax of the raw
+        logits, which one forward computes for every draft position at once; penalties, biases,
+        grammars and logprobs would need each position's own processing, and temperature > 0
+        would need rejection sampling (not implemented; those rows decode one token a step)."""
+        assert self.proposer is not None
+        running = self.scheduler.running
+        on = len(running) <= self.config.speculative_disable_by_batch_size
+        for seq in running:
+            seq.spec_token_ids.clear()
+            p = seq.params
+            if (
+                not on
+                or seq.is_prefill
+                or not p.greedy
+                or p.penalized
+                or p.logit_bias
+                or p.logprobs is not None
+                or p.grammar is not None
+            ):
+                continue
+            # Room for the drafts and the token sampled after them within max_tokens.
+            room = self._streams[seq.seq_id].max_tokens - seq.num_completion_tokens - 1
+            if room > 0:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+
+    def _verify(
+        self, batch: list[tuple[Sequence, int]], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        """Greedy verification. `logits` has 1 + len(drafts) rows per sequence: row i predicts
+        the token after draft i (row 0, after the last real token). A sequence keeps its drafts
+        up to the first that differs from the model's argmax. Returns one row per sequence, the
+        one after its last kept draft (where the sampler picks the next token: the model's own
+        token instead of the first rejected draft, or one more if all were kept), and how many
+        drafts each speculating sequence kept."""
+        targets = logits.argmax(dim=-1).tolist()
+        rows: list[int] = []
+        accepted: dict[int, int] = {}
+        row = 0
+        for seq, _ in batch:
+            drafts = seq.spec_token_ids
+            m = 0
+            while m < len(drafts) and drafts[m] == targets[row + m]:
+                m += 1
+            if drafts:
+                accepted[seq.seq_id] = m
+                self.stats.spec_draft_tokens += len(drafts)
+                self.stats.spec_accepted_tokens += m
+            rows.append(row + m)
+            row += 1 + len(drafts)
+        return logits[rows], accepted
+
+    def _grammar_masks(self, seqs: list[Sequence], rows: list[SampleRow]) -> None:
+        """Give each constrained row the bitmask of the tokens its grammar allows next."""
+        streams = [self._streams[seq.seq_id] for seq in seqs]
+        matchers = [(j, s.matcher) for j, s in enumerate(streams) if s.matcher is not None]
+        if matchers:
+            masks = self.structured.masks([m for _, m in matchers])
+            for k, (j, _) in enumerate(matchers):
+                rows[j].bitmask = masks[k]
 
     def _end(self, seq: Sequence) -> Output:
         stream = self._streams.pop(seq.seq_id)
@@ -246,25 +462,47 @@ class LLMEngine:
             completion_tokens=seq.num_completion_tokens,
         )
 
+    @staticmethod
+    def _advance(matcher: Matcher, seq: Sequence, token: int) -> str | None:
+        """Feed the grammar; a complete output ends the sequence now (the grammar would allow
+        nothing but EOS next). A refused token cannot come from a masked row: report, not hide."""
+        if not matcher.advance(token):
+            log.error("grammar refused token %d of %s: %s", token, seq.request_id, matcher.error)
+            return "error"
+        return "stop" if matcher.done else None
+
     def _forget_if_done(self, request_id: str) -> None:
         if all(s.is_finished for s in self._seqs.get(request_id, [])):
             self._seqs.pop(request_id, None)
 
-    def _emit(self, seq: Sequence, result: SampleOutput, j: int) -> Output:
+    def _emit(self, seq: Sequence, result: SampleOutput, j: int, new: int = 1) -> Output:
+        """The output of the `new` tokens this step appended to `seq` (more than one when draft
+        tokens were accepted), checking after each one whether the sequence ends there."""
         stream = self._streams[seq.seq_id]
-        token = seq.token_ids[-1]
         params = seq.params
         finish = None
         text = ""
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            finish = "stop"  # the stop token itself is not shown
-        else:
-            text, stopped = stream.stops.feed(stream.detok.add(token))
-            if stopped:
-                finish = "stop"
+        start = len(seq.token_ids) - new
+        tokens = seq.token_ids[start:]
+        for i, token in enumerate(tokens):
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                finish = "stop"  # the stop token itself is not shown
+            else:
+                piece, stopped = stream.stops.feed(stream.detok.add(token))
+                text += piece
+                if stopped:
+                    finish = "stop"
+                elif stream.matcher is not None:
+                    finish = self._advance(stream.matcher, seq, token)
+            if finish is None and start + i + 1 - seq.num_prompt_tokens >= stream.max_tokens:
+                finish = "length"
+            if finish is not None:
+                # Accepted drafts past the end were computed but are not produced: drop them
+                # (the sequence finishes now, so nothing reads its tokens as appended-only).
+                del tokens[i + 1 :]
+                del seq.token_ids[start + i + 1 :]
+                break
         completion = len(seq.token_ids) - seq.num_prompt_tokens
-        if finish is None and completion >= stream.max_tokens:
-            finish = "length"
         if finish is not None:
             if not stream.stops.stopped:
                 tail, _ = stream.stops.feed(stream.detok.flush())
@@ -276,7 +514,7 @@ class LLMEngine:
         return Output(
             request_id=seq.request_id,
             index=stream.index,
-            token_ids=[token],
+            token_ids=tokens,
             text=text,
             finish_reason=finish,
             prompt_tokens=seq.num_prompt_tokens,

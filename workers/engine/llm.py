@@ -40,18 +40,31 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
 
+    def add_adapter(self, adapter_id: str, path: str) -> None:
+        """Load a PEFT LoRA directory under `adapter_id` (needs `max_loras` > 0)."""
+        self.engine.add_adapter(path, adapter_id)
+
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: str | list[str | None] | None = None,
     ) -> list[RequestResult]:
-        """Run every prompt to completion, all in one continuously batched run."""
-        params = params or SamplingParams()
+        """Run every prompt to completion, all in one continuously batched run; `params` is one
+        for all prompts or one per prompt, and so is `adapters` (LoRA adapter ids, None = none)."""
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        lora = adapters if isinstance(adapters, list) else [adapters] * len(ids)
+        if len(lora) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(lora)} adapters")
+        each = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
+        if len(each) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(each)} sampling params")
         accs: dict[str, list[_Acc]] = {}
         cached: dict[str, int] = {}
-        for i, prompt in enumerate(ids):
+        for i, (prompt, p) in enumerate(zip(ids, each, strict=True)):
             rid = str(i)
-            self.engine.add_request(rid, prompt, params)
-            accs[rid] = [_Acc() for _ in range(params.n)]
+            self.engine.add_request(rid, prompt, p, adapter_id=lora[i])
+            accs[rid] = [_Acc() for _ in range(p.n)]
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 acc = accs[out.request_id][out.index]
@@ -61,7 +74,6 @@ class LLM:
                 acc.logprobs += out.logprobs or []
                 acc.top_logprobs += out.top_logprobs or []
                 cached[out.request_id] = out.cached_tokens
-        want = params.logprobs is not None
         return [
             RequestResult(
                 request_id=str(i),
@@ -71,8 +83,8 @@ class LLM:
                         text="".join(a.text),
                         token_ids=a.token_ids,
                         finish_reason=a.finish_reason,
-                        logprobs=a.logprobs if want else None,
-                        top_logprobs=a.top_logprobs if want else None,
+                        logprobs=a.logprobs if each[i].logprobs is not None else None,
+                        top_logprobs=a.top_logprobs if each[i].logprobs is not None else None,
                     )
                     for a in accs[str(i)]
                 ],

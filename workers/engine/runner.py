@@ -17,6 +17,7 @@ from workers.engine.config import ModelConfig
 from workers.engine.models import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from workers.engine.lora_layers import LoraState
     from workers.engine.sequence import Sequence
 
 
@@ -28,8 +29,10 @@ class ModelRunner:
         kv_caches: list[tuple[Tensor, Tensor]],
         block_size: int,
         device: str | torch.device,
+        lora: LoraState | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # set when the model's projections take LoRA adapters
         self.cfg = cfg
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -48,6 +51,8 @@ class ModelRunner:
         for seq, n in batch:
             c = seq.num_computed_tokens
             ids.extend(seq.token_ids[c : c + n])
+            if c + n > len(seq.token_ids):  # speculative decoding: the drafts follow the last token
+                ids.extend(seq.spec_token_ids[: c + n - len(seq.token_ids)])
             starts.append(c)
             q_lens.append(n)
             tables.append(seq.block_table)
@@ -92,9 +97,17 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Sequence, int]]) -> Tensor:
-        """Logits of the last new token of every sequence, float32 [num_seqs, vocab]."""
+    def execute(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> Tensor:
+        """Logits of the last new token of every sequence, float32 [num_seqs, vocab]; with
+        `num_logits`, of the last `num_logits[i]` new tokens of sequence i, in order (to verify
+        draft tokens), float32 [sum(num_logits), vocab]."""
         input_ids, positions, meta = self.prepare(batch)
+        if self.lora is not None:  # each token's adapter slot, for the adapted projections
+            self.lora.begin(batch, self.device)
         hidden = self.forward(input_ids, positions, meta)
         last = meta.query_start_loc[1:].long() - 1
+        if num_logits is not None:
+            ends = last.tolist()
+            rows = [e - j for e, m in zip(ends, num_logits, strict=True) for j in range(m - 1, -1, -1)]
+            last = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden[last])

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from workers.engine.structured import KINDS as GRAMMAR_KINDS
+from workers.engine.structured import Grammar, allowed_tokens
+
 # Temperatures below this are greedy (vLLM's threshold): dividing by a tinier one can overflow fp32.
 SAMPLING_EPS = 1e-5
 # top_p looks for its nucleus among this many most likely tokens first (widening if short).
@@ -46,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = only the sampled token's
+    grammar: Grammar | None = None  # structured output: each sequence is masked to this grammar
 
     def __post_init__(self) -> None:
         # Written as `not (ok)` so that NaN fails every check.
@@ -86,6 +90,9 @@ class SamplingParams:
                 )
         if any(not s for s in self.stop):
             raise InvalidParam("stop", "stop strings must be non-empty")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            kinds = ", ".join(GRAMMAR_KINDS)
+            raise InvalidParam("grammar", f"grammar kind must be one of {kinds}, got {self.grammar.kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +126,8 @@ class SamplingParams:
                 value = list(value)  # do not share the wire struct's lists
             elif f.name == "logit_bias" and value is not None:
                 value = {int(t): float(b) for t, b in value.items()}  # JSON keys arrive as strings
+            elif f.name == "grammar" and value is not None:
+                value = Grammar.from_wire(value)
             kwargs[f.name] = value
         return cls(**kwargs)  # type: ignore[arg-type]
 
@@ -140,6 +149,8 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    # Structured output: int32 bitmask of the tokens the row's grammar allows next (None = any).
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -194,6 +205,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     flat.index_add_(0, out, -per_row(lambda p: p.frequency_penalty, out))  # once per occurrence
     distinct = out.unique()
     flat[distinct] -= per_row(lambda p: p.presence_penalty, distinct)  # once per token
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Set the logits of tokens a row's grammar forbids to -inf, in place; rows without a
+    bitmask are left exactly as they are. Last of the processing, so no bias or penalty can
+    bring a forbidden token back."""
+    idx = [i for i, row in enumerate(rows) if row.bitmask is not None]
+    bitmask = torch.stack([rows[i].bitmask for i in idx]).to(logits.device)  # type: ignore[misc]
+    allowed = allowed_tokens(bitmask, logits.shape[1])
+    sub = torch.tensor(idx, device=logits.device)
+    logits[sub] = logits[sub].masked_fill(~allowed, float("-inf"))
 
 
 def top_k_top_p_cutoff(
@@ -300,9 +322,13 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """logit_bias and penalties, on a copy when there is anything to do (raw stays intact)."""
-        if any(r.params.logit_bias or r.params.penalized for r in rows):
+        """logit_bias, penalties and grammar masks, on a copy when there is anything to do (raw
+        stays intact, so logprobs describe the model, not the grammar)."""
+        masked = any(r.bitmask is not None for r in rows)
+        if masked or any(r.params.logit_bias or r.params.penalized for r in rows):
             logits = logits.clone(memory_format=torch.contiguous_format)
             apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)
+            if masked:
+                apply_grammar_masks(logits, rows)
         return logits

@@ -41,6 +41,9 @@ class Sequence:
     # Chained hashes of full blocks computed so far (block manager's memo; valid because
     # token_ids only grow, and kept across preemption so a recompute does not rehash).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: draft tokens to verify after the last token in the next step. Not in
+    # token_ids (which only grow): the accepted ones are appended once verified.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
