@@ -13,6 +13,11 @@ Two optional inputs go beyond the KPA:
 - The arrival rate (`Sample.arrival_rate`, with `target_rate`): concurrency lags arrivals
   by a service time, and while new replicas start it grows with the queue rather than with
   the demand, so each window also asks for rate / `target_rate` replicas (Little's law).
+  With `drain_time` set, the arrival rate also bounds what concurrency may ask for: the
+  requests beyond those arrivals keep in flight are a backlog, which needs the replicas
+  that drain it within `drain_time` (rate + waiting / drain_time, over `target_rate`), not
+  one replica per `target_concurrency` of it; a backlog queued behind busy replicas
+  otherwise starts a fleet that mostly idles.
 - A seasonal forecast (`forecast`, off by default): from the samples it is given (hours of
   them), the policy looks for a period in the arrival rate by autocorrelation, and when one
   repeats clearly enough it provisions now for the rate seen one period ago over the next
@@ -48,6 +53,9 @@ class PolicyConfig:
     scale_to_zero_grace: float = 300.0  # idle time before a min-0 deployment goes to zero
     ttft_max_step: float = 2.0  # TTFT pressure grows the fleet by at most this factor per call
     kv_high: float = 0.9  # KV usage above this counts as one more replica's worth of demand
+    # With a target rate: concurrency asks for no more than the arrival rate needs plus what
+    # draining the waiting queue within this many seconds needs. None: no cap.
+    drain_time: float | None = None
     forecast: bool = False  # pre-scale for a learned seasonal pattern (needs target_rate)
     forecast_lead: float = 60.0  # provision now for the rate expected this far ahead: > cold start
     season_min: float = 60.0  # shortest period looked for, seconds
@@ -102,6 +110,13 @@ def _want(samples: Sequence[Sample], config: PolicyConfig) -> tuple[int, str]:
     if config.target_rate and rates:
         rate = sum(rates) / len(rates)
         by_rate = math.ceil(rate / config.target_rate - 1e-9)
+        if config.drain_time is not None:
+            # Concurrency beyond what the arrivals keep in flight is a backlog: it needs the
+            # replicas that drain it in drain_time, not one per target_concurrency of it.
+            waiting = sum(s.waiting for s in samples) / len(samples)
+            cap = math.ceil((rate + waiting / config.drain_time) / config.target_rate - 1e-9)
+            if want > cap:
+                want, why = cap, f"mean rate {rate:.2f}/s + drain {waiting:.1f} waiting"
         if by_rate > want:
             want, why = by_rate, f"mean rate {rate:.2f}/s"
     return want, why
@@ -210,8 +225,10 @@ def decide(
         pressed = math.ceil(max(current, 1) * ratio)
         if pressed > want:
             want, reason = pressed, f"ttft p95 {max(ttfts):.2f}s > {config.target_ttft}s"
-    # A nearly full KV cache preempts sequences before the queue shows it.
-    if latest.kv_usage > config.kv_high and current + 1 > want:
+    # A nearly full KV cache preempts sequences before the queue shows it. Once requests
+    # wait, the queue shows it: concurrency and arrivals already count that demand, and
+    # adding a replica a call on top of them would grow the fleet for as long as it waits.
+    if latest.kv_usage > config.kv_high and not latest.waiting and current + 1 > want:
         want, reason = current + 1, f"kv usage {latest.kv_usage:.0%}"
 
     # A recurring burst is served by replicas started a cold start before it, which reacting

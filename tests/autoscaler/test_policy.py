@@ -139,6 +139,15 @@ def test_full_kv_cache_adds_a_replica() -> None:
     assert decide(CFG, samples, 2, PolicyState(), now=120).desired == 3
 
 
+def test_a_full_kv_cache_adds_nothing_once_requests_wait() -> None:
+    # While requests wait, concurrency (mean 20.2, target 10) counts the demand: 3, not 5 + 1.
+    samples = [*steady(20, 118), Sample(ts=120, running=20, waiting=5, kv_usage=0.95)]
+    assert decide(CFG, samples, 5, PolicyState(), now=120).desired == 3
+    # Before they do, the full cache is the only sign: one more replica.
+    no_queue = [*samples[:-1], replace(samples[-1], waiting=0)]
+    assert decide(CFG, no_queue, 5, PolicyState(), now=120).desired == 6
+
+
 def test_no_samples_holds_within_bounds() -> None:
     assert decide(CFG, [], 0, PolicyState(), now=5) == Decision(1, False, "no samples: hold", PolicyState())
     assert decide(CFG, [], 30, PolicyState(), now=5).desired == 20
@@ -187,6 +196,44 @@ def test_a_jump_in_arrivals_panics_before_concurrency_moves() -> None:
     d = decide(RATE, samples, 2, PolicyState(), now=120)
     assert d.panic
     assert d.desired == 10
+
+
+def backlog(waiting: int, rate: float, until: float = 120) -> list[Sample]:
+    """Samples every 2 s with 10 running, `waiting` queued and `rate` arrivals per second."""
+    return [replace(s, waiting=waiting) for s in arriving(10, rate, until)]
+
+
+@pytest.mark.parametrize(
+    ("drain_time", "desired"),
+    [
+        (None, 20),  # concurrency 610 over target 10: 61, clamped to max
+        (60.0, 14),  # 4 req/s + 600 waiting drained in 60 s: 14 req/s at 1 req/s per replica
+        (300.0, 6),  # + 600 in 300 s: 2 req/s more than arrivals
+    ],
+)
+def test_a_backlog_asks_for_what_drains_it_in_drain_time(drain_time: float | None, desired: int) -> None:
+    cfg = replace(RATE, drain_time=drain_time)
+    assert decide(cfg, backlog(600, 4.0), 2, PolicyState(), now=120).desired == desired
+
+
+def test_the_drain_cap_never_goes_below_the_arrival_rate_or_applies_without_one() -> None:
+    # No backlog: arrivals (12/s) still ask for 12 even though concurrency asks for 1.
+    cfg = replace(RATE, drain_time=60.0)
+    assert decide(cfg, arriving(10, 12.0, 120), 1, PolicyState(), now=120).desired == 12
+    # Without a target rate there is nothing to cap concurrency by.
+    cfg = replace(CFG, drain_time=60.0)
+    assert decide(cfg, backlog(600, 4.0), 2, PolicyState(), now=120).desired == 20
+
+
+def test_the_drain_cap_also_bounds_a_panic() -> None:
+    # Arrivals jump to 10/s and 600 wait on 2 replicas: concurrency (610 over target 10) asks
+    # for 61; arrivals plus draining the 600 in 60 s ask for 10 + 10 = 20 req/s.
+    samples = arriving(10, 1.0, 114) + [replace(s, waiting=600) for s in arriving(10, 10.0, 120, start=114)]
+    cfg = replace(RATE, drain_time=60.0, max_replicas=100)
+    d = decide(cfg, samples, 2, PolicyState(), now=120)
+    assert d.panic
+    assert d.desired == 20
+    assert decide(replace(cfg, drain_time=None), samples, 2, PolicyState(), now=120).desired == 61
 
 
 # --- seasonal forecast ----------------------------------------------------------------------
