@@ -165,7 +165,7 @@ class Server:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def start_server(tmp: Path, model_cache: Path) -> Server:
+def start_server(tmp: Path, model_cache: Path, autoscaler: str = "local") -> Server:
     port = _free_port()
     env = {
         **os.environ,
@@ -175,6 +175,7 @@ def start_server(tmp: Path, model_cache: Path) -> Server:
         "TOKENMILL_TORCH_THREADS": "1",
         "TOKENMILL_EMBED_MODEL": "",  # no embedding worker: not part of this journey
         "TOKENMILL_SCHEDULER": "false",  # the test runs the billing jobs itself, through the API
+        "TOKENMILL_AUTOSCALER": autoscaler,
     }
     for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
         env.pop(var, None)
@@ -206,7 +207,9 @@ def start_server(tmp: Path, model_cache: Path) -> Server:
 
 @pytest.fixture
 def server(tmp_path: Path, model_cache: Path) -> Iterator[Server]:
-    s = start_server(tmp_path, model_cache)
+    # The journey starts the dedicated deployment's worker by hand and bills its lifetime; the
+    # reconciler would start a second one whose lifetime keeps growing during the checks.
+    s = start_server(tmp_path, model_cache, autoscaler="none")
     try:
         yield s
     finally:
