@@ -4,7 +4,15 @@
 function from a `WorkerSpec` to the Deployment body, plain JSON-ready dicts. The provider
 only ever reads a Deployment, creates it, replaces it (its pod template changed), patches its
 scale subresource, marks pods as preferred victims, deletes a pod and deletes a Deployment;
-the ReplicaSet does the rest. Workers outlive the provider: `close` only closes the client.
+the ReplicaSet does the rest. Beside each Deployment it keeps a PodDisruptionBudget (node
+drains and consolidation take one worker of a deployment at a time), and it creates the
+workers' PriorityClass once. Workers outlive the provider: `close` only closes the client.
+
+Sizes: a GPU worker asks, per GPU, the share of its GPU type in TOKENMILL_WORKER_RESOURCES
+(infra/terraform computes it so that it fits the node types it offers; `options["gpus"]`
+asks several GPUs in one pod), a CPU worker a fixed size; `options["cpu"]`/`["memory"]`
+override the totals. Every worker has a model cache volume of its own size, counted in its
+ephemeral-storage request with the rest of its scratch space.
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,11 +55,22 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 WORKER_PORT = 8080
 WORKER_HOME = "/var/lib/tokenmill"
+MODEL_CACHE = f"{WORKER_HOME}/models"  # TOKENMILL_MODEL_CACHE: a volume of its own, sized
 SERVICE_ACCOUNT = "tokenmill-worker"
 RUN_AS = 10001
-# Workers drain their in-flight streams on SIGTERM; a long generation may take minutes.
-GRACE_SECONDS = 600
-DEFAULT_RESOURCES = {"gpu": {"cpu": "4", "memory": "32Gi"}, "cpu": {"cpu": "2", "memory": "8Gi"}}
+# Workers drain their in-flight streams on SIGTERM: the longest stream a gateway lets run
+# (TOKENMILL_MAX_STREAM_SECONDS), plus this margin to say goodbye, before the kubelet kills.
+MAX_STREAM_SECONDS = 600
+DRAIN_MARGIN_SECONDS = 60
+# One GPU's share of a worker pod when TOKENMILL_WORKER_RESOURCES does not name its GPU type:
+# small enough for every GPU node type infra/terraform knows (g5.xlarge: 4 vCPUs, 16 GiB).
+DEFAULT_GPU_SHARE = {"cpu_millis": 3000, "memory_mib": 12288, "ephemeral_gib": 50, "model_cache_gib": 40}
+CPU_WORKER = {"cpu_millis": 2000, "memory_mib": 8192, "ephemeral_gib": 20, "model_cache_gib": 10}
+SHARE_KEYS = frozenset(DEFAULT_GPU_SHARE)
+# The workers' PriorityClass: scheduled before anything of priority 0 and evicted last under
+# node pressure, but never preempting other pods (the GPU nodes' DaemonSets stay).
+PRIORITY_CLASS = "tokenmill-worker"
+PRIORITY_VALUE = 100_000
 VICTIM_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
 REQUEST_TIMEOUT = 30.0  # seconds; a hung API server must not stall the reconciler forever
 
@@ -88,16 +108,59 @@ def worker_labels(spec: WorkerSpec) -> dict[str, str]:
     }
 
 
+def worker_selector(spec: WorkerSpec) -> dict[str, str]:
+    return {LABEL_NAME: "tokenmill-worker", LABEL_DEPLOYMENT: spec.deployment_id}
+
+
+def gpu_count(spec: WorkerSpec) -> int:
+    """GPUs of one worker pod: `options["gpus"]` (a whole number, 1 or more), default 1; 0 on CPU."""
+    if spec.gpu_type is None:
+        return 0
+    gpus = spec.options.get("gpus", 1)
+    if isinstance(gpus, bool) or not isinstance(gpus, int | str) or not str(gpus).isdigit() or int(gpus) < 1:
+        raise ValueError(f"deployment {spec.deployment_id}: gpus must be a whole number of at least 1")
+    return int(gpus)
+
+
+def worker_share(spec: WorkerSpec, resources: Mapping[str, Mapping[str, int]] | None) -> dict[str, int]:
+    """What one GPU of the spec's type asks (a CPU worker: its whole size)."""
+    if spec.gpu_type is None:
+        return dict(CPU_WORKER)
+    share = {**DEFAULT_GPU_SHARE, **((resources or {}).get(spec.gpu_type) or {})}
+    unknown = set(share) - SHARE_KEYS
+    if unknown:
+        raise ValueError(f"TOKENMILL_WORKER_RESOURCES[{spec.gpu_type}]: unknown keys {sorted(unknown)}")
+    return {k: int(v) for k, v in share.items()}
+
+
 def worker_manifest(
-    spec: WorkerSpec, replicas: int, *, namespace: str, image: str, secret: str
+    spec: WorkerSpec,
+    replicas: int,
+    *,
+    namespace: str,
+    image: str,
+    secret: str,
+    resources: Mapping[str, Mapping[str, int]] | None = None,
+    max_stream_seconds: int = MAX_STREAM_SECONDS,
 ) -> dict[str, Any]:
-    """The Deployment that runs `replicas` workers of `spec` (the manifest contract)."""
+    """The Deployment that runs `replicas` workers of `spec` (the manifest contract).
+
+    `resources` is TOKENMILL_WORKER_RESOURCES (per GPU type, one GPU's share);
+    `max_stream_seconds` is TOKENMILL_MAX_STREAM_SECONDS, which the grace period outlasts.
+    """
     labels = worker_labels(spec)
     gpu = spec.gpu_type is not None
-    defaults = DEFAULT_RESOURCES["gpu" if gpu else "cpu"]
-    cpu = str(spec.options.get("cpu", defaults["cpu"]))
-    memory = str(spec.options.get("memory", defaults["memory"]))
-    limits = {GPU_RESOURCE: "1", "memory": memory} if gpu else {"memory": memory}
+    gpus = gpu_count(spec)
+    share = worker_share(spec, resources)
+    units = max(gpus, 1)
+    cpu = str(spec.options.get("cpu", f"{units * share['cpu_millis']}m"))
+    memory = str(spec.options.get("memory", f"{units * share['memory_mib']}Mi"))
+    scratch = f"{units * share['ephemeral_gib']}Gi"  # the model cache is part of it
+    cache = f"{units * share['model_cache_gib']}Gi"
+    requests = {"cpu": cpu, "memory": memory, "ephemeral-storage": scratch}
+    limits = {"memory": memory, "ephemeral-storage": scratch}
+    if gpu:
+        limits = {GPU_RESOURCE: str(gpus), **limits}
 
     def field_ref(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
@@ -109,19 +172,15 @@ def worker_manifest(
         {"name": "TOKENMILL_WORKER_HOST", "value": "0.0.0.0"},
         {"name": "TOKENMILL_WORKER_PORT", "value": str(WORKER_PORT)},
         {"name": "TOKENMILL_HOME", "value": WORKER_HOME},
+        {"name": "TOKENMILL_MODEL_CACHE", "value": MODEL_CACHE},
+        {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": str(max_stream_seconds)},
         # The root filesystem is read-only: caches that default to ~ (Triton's, torch's) too.
         {"name": "HOME", "value": WORKER_HOME},
     ]
     if gpu:
         env.append({"name": "TOKENMILL_GPU_TYPE", "value": spec.gpu_type})
 
-    def probe(period: int, failures: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": "/ready", "port": "http"},  # workers.server.READY_PATH: no token
-            "periodSeconds": period,
-            "failureThreshold": failures,
-        }
-
+    ready = {"httpGet": {"path": "/ready", "port": "http"}}  # workers.server.READY_PATH: no token
     container = {
         "name": "worker",
         "image": image,
@@ -131,22 +190,36 @@ def worker_manifest(
         "env": env,
         "envFrom": [{"secretRef": {"name": secret}}],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        # The worker answers /ready only once its model is loaded, which may take minutes.
-        "startupProbe": probe(10, 60),
-        "readinessProbe": probe(5, 3),
-        "livenessProbe": probe(10, 6),
-        "resources": {"limits": limits, "requests": {"cpu": cpu, "memory": memory}},
+        # The worker answers /ready only once its model is loaded, which may take many minutes
+        # (weights from the object storage, Triton's first compilations): 20 minutes here.
+        "startupProbe": {**ready, "periodSeconds": 10, "failureThreshold": 120},
+        # Ready: the model is loaded and the server answers (a rollout waits for it).
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
+        # Alive: the process still accepts connections. Not /ready, so a worker that is busy
+        # or draining is never killed for being slow to answer a probe.
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "resources": {"limits": limits, "requests": requests},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": "state", "mountPath": WORKER_HOME}, {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": "state", "mountPath": WORKER_HOME},
+            {"name": "model-cache", "mountPath": MODEL_CACHE},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
     pod: dict[str, Any] = {
         "serviceAccountName": SERVICE_ACCOUNT,
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": GRACE_SECONDS,
+        "priorityClassName": PRIORITY_CLASS,
+        "terminationGracePeriodSeconds": max_stream_seconds + DRAIN_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,
@@ -154,7 +227,11 @@ def worker_manifest(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "state", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
+        "volumes": [
+            {"name": "state", "emptyDir": {}},
+            {"name": "model-cache", "emptyDir": {"sizeLimit": cache}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
     }
     if gpu:
         pod["nodeSelector"] = {LABEL_GPU_TYPE: spec.gpu_type}
@@ -171,11 +248,42 @@ def worker_manifest(
         },
         "spec": {
             "replicas": replicas,
-            "selector": {
-                "matchLabels": {LABEL_NAME: labels[LABEL_NAME], LABEL_DEPLOYMENT: spec.deployment_id}
-            },
+            "selector": {"matchLabels": worker_selector(spec)},
             "template": template,
         },
+    }
+
+
+def worker_disruption_budget(spec: WorkerSpec, *, namespace: str) -> dict[str, Any]:
+    """The PodDisruptionBudget beside a deployment's Deployment (same name): voluntary
+    disruptions (node drains, consolidation, upgrades) take one of its workers at a time; a
+    worker that is not ready (still loading, or stuck) may always be evicted."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": worker_name(spec), "namespace": namespace, "labels": worker_labels(spec)},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": worker_selector(spec)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def worker_priority_class() -> dict[str, Any]:
+    """The workers' PriorityClass (cluster-scoped; the admission policy in infra/terraform
+    lets the autoscaler create this one and no other)."""
+    return {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {
+            "name": PRIORITY_CLASS,
+            "labels": {LABEL_PART_OF: "tokenmill", LABEL_MANAGED_BY: MANAGED_BY},
+        },
+        "value": PRIORITY_VALUE,
+        "globalDefault": False,
+        "preemptionPolicy": "Never",
+        "description": "Tokenmill workers: scheduled first and evicted last, never preempting.",
     }
 
 
@@ -187,14 +295,24 @@ class KubernetesProvider:
     namespace: str
     image: str
     secret: str
+    # TOKENMILL_WORKER_RESOURCES and TOKENMILL_MAX_STREAM_SECONDS (see worker_manifest).
+    resources: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    max_stream_seconds: int = MAX_STREAM_SECONDS
     apps: client.AppsV1Api = field(init=False)
     core: client.CoreV1Api = field(init=False)
+    policy: client.PolicyV1Api = field(init=False)
+    scheduling: client.SchedulingV1Api = field(init=False)
     # deployment id -> Deployment name, so reads after a scale need no list call.
     names: dict[str, str] = field(default_factory=dict, init=False)
+    # Deployments whose PodDisruptionBudget is known to exist; the PriorityClass, once made.
+    budgets: set[str] = field(default_factory=set, init=False)
+    priority_class_ready: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.apps = client.AppsV1Api(self.api)
         self.core = client.CoreV1Api(self.api)
+        self.policy = client.PolicyV1Api(self.api)
+        self.scheduling = client.SchedulingV1Api(self.api)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubernetesProvider:
@@ -211,17 +329,30 @@ class KubernetesProvider:
             namespace=settings.kubernetes_namespace,
             image=settings.worker_image,
             secret=settings.worker_secret,
+            resources=settings.worker_resources,
+            max_stream_seconds=math.ceil(settings.max_stream_seconds),
         )
 
     async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
-        body = worker_manifest(spec, replicas, namespace=self.namespace, image=self.image, secret=self.secret)
+        body = worker_manifest(
+            spec,
+            replicas,
+            namespace=self.namespace,
+            image=self.image,
+            secret=self.secret,
+            resources=self.resources,
+            max_stream_seconds=self.max_stream_seconds,
+        )
         name = body["metadata"]["name"]
+        # Before any worker pod: the API server refuses pods naming a missing PriorityClass.
+        await self._ensure_priority_class()
         current = await self._read(name)
         if current is None:
             create = self.apps.create_namespaced_deployment
             if await self._call("create deployment", name, create, self.namespace, body, allow=(409,)):
                 self.names[spec.deployment_id] = name
                 log.info("created deployment %s with %d replicas", name, replicas)
+                await self._ensure_budget(spec, name, new=True)
                 return
             # Created by someone else between our read and our create: carry on from theirs.
             current = await self._read(name)
@@ -234,6 +365,7 @@ class KubernetesProvider:
                 f"kubernetes deployment {name} belongs to deployment {owner!r}, not {spec.deployment_id!r}"
             )
         self.names[spec.deployment_id] = name
+        await self._ensure_budget(spec, name)
         annotations = current.metadata.annotations or {}
         if annotations.get(ANNOTATION_SPEC_HASH) != body["metadata"]["annotations"][ANNOTATION_SPEC_HASH]:
             replace = self.apps.replace_namespaced_deployment
@@ -270,6 +402,7 @@ class KubernetesProvider:
         else:
             names = [name]
         delete = self.apps.delete_namespaced_deployment
+        delete_budget = self.policy.delete_namespaced_pod_disruption_budget
         for name in names:
             # Background: the call returns at once; the garbage collector stops the pods, which
             # drain within their grace period.
@@ -282,6 +415,10 @@ class KubernetesProvider:
                 propagation_policy="Background",
                 allow=(404,),
             )
+            await self._call(
+                "delete disruption budget", name, delete_budget, name, self.namespace, allow=(404,)
+            )
+            self.budgets.discard(name)
             log.info("deleted deployment %s", name)
 
     async def managed(self) -> list[str]:
@@ -291,6 +428,44 @@ class KubernetesProvider:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.api.close)
+
+    async def _ensure_priority_class(self) -> None:
+        if self.priority_class_ready:
+            return
+        read = self.scheduling.read_priority_class
+        if (
+            await self._call("read priority class", PRIORITY_CLASS, read, PRIORITY_CLASS, allow=(404,))
+            is None
+        ):
+            create = self.scheduling.create_priority_class
+            # 409: another autoscaler replica made it first.
+            await self._call(
+                "create priority class", PRIORITY_CLASS, create, worker_priority_class(), allow=(409,)
+            )
+            log.info("created priority class %s", PRIORITY_CLASS)
+        self.priority_class_ready = True
+
+    async def _ensure_budget(self, spec: WorkerSpec, name: str, *, new: bool = False) -> None:
+        """The Deployment's PodDisruptionBudget exists (read once per provider, or created at
+        once beside a Deployment just created)."""
+        if name in self.budgets:
+            return
+        if (
+            new
+            or await self._call(
+                "read disruption budget",
+                name,
+                self.policy.read_namespaced_pod_disruption_budget,
+                name,
+                self.namespace,
+                allow=(404,),
+            )
+            is None
+        ):
+            body = worker_disruption_budget(spec, namespace=self.namespace)
+            create = self.policy.create_namespaced_pod_disruption_budget
+            await self._call("create disruption budget", name, create, self.namespace, body, allow=(409,))
+        self.budgets.add(name)
 
     async def _find(self, deployment_id: str) -> list[Any]:
         """The deployment's Deployment: by its remembered name, else by its label."""

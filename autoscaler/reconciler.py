@@ -3,9 +3,11 @@
 Every `interval` it reads the active deployments, samples each one's load from its
 workers' heartbeats (plus requests that gateways hold for a deployment with no worker),
 asks the policy for a replica count, and has the provider make it so. Workers silent for
-the heartbeat timeout are replaced; deployments that were stopped or deleted lose their
-workers. Only the holder of the lease acts; the others keep sampling, so a new leader
-starts with the same history.
+the heartbeat timeout (judged on evidence: see tokenmill.fleet) are replaced, and their
+departure is announced on the bus for them (`lost`, at their last heartbeat), which closes
+their lifetime; deployments that were stopped or deleted lose their workers. Only the
+holder of the lease acts; the others keep sampling, so a new leader starts with the same
+history.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from autoscaler.providers import Provider, WorkerSpec
 from control_plane.models import Deployment, Model
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerTable
-from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerEvent
+from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerDeparture
+from tokenmill.spool import OUTAGE_ERRORS
 from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.autoscaler")
@@ -109,13 +112,13 @@ class Reconciler(Background):
         self.states: dict[str, PolicyState] = {}
         self.decisions: dict[str, Decision] = {}  # the latest, for status pages and tests
         self.demand: dict[str, dict[str, float]] = {}  # deployment -> request id -> monotonic
+        self.departures: list[WorkerDeparture] = []  # lost workers to announce on the bus
         self.started = time.monotonic()
 
     async def run(self) -> None:
-        workers = msgspec.json.Decoder(WorkerEvent)
         demand = msgspec.json.Decoder(Demand)
         await asyncio.gather(
-            tail(self.bus, WORKERS, lambda raw: self.table.apply(workers.decode(raw)), name=self.name),
+            self.table.follow(self.bus, name=self.name),
             tail(self.bus, DEMAND, lambda raw: self.wanted(demand.decode(raw)), name=self.name),
             self._loop(),
         )
@@ -155,8 +158,27 @@ class Reconciler(Background):
                 log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
                 await self.provider.replace(worker.deployment_id, worker.worker_id)
             self.table.workers.pop(worker.worker_id, None)
+            # Said on its behalf (it never will, killed or cut off): every table drops it, and
+            # its lifetime closes at its last heartbeat (what dedicated deployments bill).
+            self.departures.append(
+                WorkerDeparture(worker.worker_id, worker.deployment_id, ts=worker.sent, lost=True)
+            )
+        await self._announce_departures()
         for want in desired.values():
             await self._reconcile(want, now)
+
+    async def _announce_departures(self) -> None:
+        """Publish the departures not published yet, oldest first; the rest wait for the next
+        tick (the bus may be down)."""
+        while self.departures:
+            try:
+                await self.bus.publish(WORKERS, self.departures[0])
+            except OUTAGE_ERRORS as exc:
+                log.warning(
+                    "could not announce that worker %s is gone: %s", self.departures[0].worker_id, exc
+                )
+                return
+            self.departures.pop(0)
 
     def _sample(self, dep_id: str, config: PolicyConfig, now: float) -> None:
         workers = [

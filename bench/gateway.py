@@ -15,7 +15,8 @@ Processes (each its own; this machine has 2 cores, which they all share):
   plan, plus a hard monthly budget hold: all far above what the load reaches), chat template
   and tokenizer of SmolLM2, prefix-aware routing, the usage event to Redis (spooling publisher);
 - `tokenmill control-plane`, whose usage consumer writes every event into the ledger
-  (checked at the end: every answered request is in it);
+  (checked at the end: every answered request is in it, by request id; the run exits 1 if one
+  is not);
 - `bench._forwarder`: a bare Litestar endpoint that only forwards to the worker (the reference);
 - `wrk` (one thread) as the load generator: non-streaming `/v1/chat/completions`, a short
   prompt, `max_tokens` 8 (the worker answers 1-8 tokens).
@@ -79,6 +80,27 @@ done = function(summary, latency, requests)
     "\\"p99_us\\": %%d, \\"mean_us\\": %%.1f}\\n",
     summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.mean))
+end
+"""
+# Appended for the gateway: every answer's status and x-request-id, one file per wrk thread
+# (`<path>.<thread>`, the path given after `--`), so the ledger can be checked id by id.
+WRK_IDS = """
+local threads = 0
+setup = function(thread)
+  thread:set("thread_index", threads)
+  threads = threads + 1
+end
+init = function(args)
+  ids = assert(io.open(args[1] .. "." .. thread_index, "w"))
+end
+response = function(status, headers, body)
+  local rid = headers["x-request-id"]
+  if rid == nil then
+    for k, v in pairs(headers) do
+      if string.lower(k) == "x-request-id" then rid = v end
+    end
+  end
+  ids:write(status, " ", rid or "-", "\\n")
 end
 """
 
@@ -160,21 +182,37 @@ class Bench:
         self.wrk = wrk
         self.watched: dict[str, int] = {}  # process name -> pid, for CPU accounting
 
-    def load(self, target: Target, connections: int, seconds: float) -> Run:
+    def load(
+        self,
+        target: Target,
+        connections: int,
+        seconds: float,
+        answers: list[tuple[int, str]] | None = None,
+    ) -> Run:
+        """One run of the load generator. With `answers`, the (status, request id) of every
+        answer it got is appended there (costs the load generator a little CPU)."""
         auth = f"Bearer {target.auth}"
+        ids = self.tmp / "ids"
+        for old in self.tmp.glob("ids*"):
+            old.unlink()
         if self.wrk is not None:
             script = self.tmp / f"wrk-{OWN.get(target.name, target.name)}.lua"
             script.write_text(
                 WRK_SCRIPT % {"body": lua_string(target.body.decode()), "auth": lua_string(auth)}
+                + (WRK_IDS if answers is not None else "")
             )
             cmd = [self.wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
                    "-s", str(script), target.url]  # fmt: skip
+            if answers is not None:
+                cmd += ["--", str(ids)]
         else:
             body = self.tmp / "body"
             body.write_bytes(target.body)
             headers = ["--header", "Content-Type: application/json", "--header", f"Authorization: {auth}"]
             cmd = [sys.executable, "-m", "bench._load", target.url, "--connections", str(connections),
                    "--seconds", str(seconds), "--body", str(body), *headers]  # fmt: skip
+            if answers is not None:
+                cmd += ["--ids", f"{ids}.0"]
         out_path = self.tmp / "wrk.out"
         pg = postgres_pids()
         before = {name: cpu_seconds(pid) for name, pid in self.watched.items()}
@@ -191,6 +229,11 @@ class Bench:
         if proc.returncode != 0 or line is None:
             raise RuntimeError(f"the load generator failed ({proc.returncode}):\n{text}")
         r = json.loads(line.removeprefix("BENCH-JSON "))
+        if answers is not None:
+            got = read_answers(sorted(self.tmp.glob("ids.*")))
+            if len(got) != r["requests"]:  # the ledger check would be off by as many
+                raise RuntimeError(f"the load generator wrote {len(got)} ids for {r['requests']} answers")
+            answers += got
         n = max(1, r["requests"])
         cpu = {name: (after[name] - before[name]) * 1000 / n for name in self.watched}
         cpu["postgres"] = max(0.0, group_cpu(pg) - pg_before) * 1000 / n  # exited backends take theirs along
@@ -210,6 +253,16 @@ class Bench:
             cpu_ms_per_request={k: round(v, 4) for k, v in cpu.items()},
             machine_busy_cores=round((busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1), 2),
         )
+
+
+def read_answers(paths: list[Path]) -> list[tuple[int, str]]:
+    """(status, request id) per line `<status> <x-request-id or ->` of the load generator's files."""
+    out: list[tuple[int, str]] = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            status, _, request_id = line.partition(" ")
+            out.append((int(status), request_id))
+    return out
 
 
 # --- services --------------------------------------------------------------------------------
@@ -354,9 +407,9 @@ async def setup_tenant(db_url: str) -> Tenant:
         await engine.dispose()
 
 
-async def ledger_rows(db_url: str, org_id: str) -> tuple[int, int]:
-    """(rows, completion tokens) of the organisation in the ledger."""
-    from sqlalchemy import func, select
+async def ledger_ids(db_url: str, org_id: str) -> tuple[dict[str, str], int]:
+    """The organisation's ledger: request id -> status, and the completion tokens in all."""
+    from sqlalchemy import select
 
     from billing.models import UsageEvent
     from tokenmill.db import make_engine, make_sessionmaker
@@ -364,19 +417,75 @@ async def ledger_rows(db_url: str, org_id: str) -> tuple[int, int]:
     engine = make_engine(db_url)
     try:
         async with make_sessionmaker(engine)() as s:
-            row = (
+            rows = (
                 await s.execute(
-                    select(func.count(), func.coalesce(func.sum(UsageEvent.completion_tokens), 0)).where(
+                    select(UsageEvent.request_id, UsageEvent.status, UsageEvent.completion_tokens).where(
                         UsageEvent.org_id == org_id
                     )
                 )
-            ).one()
-            return int(row[0]), int(row[1])
+            ).all()
+            return {r[0]: r[1] for r in rows}, sum(r[2] for r in rows)
     finally:
         await engine.dispose()
 
 
-def wait_ready(url: str, body: bytes, auth: str, procs: Processes, timeout: float = 180) -> httpx.Response:
+@dataclass
+class LedgerCheck:
+    """Every request the gateway answered (2xx) must be in the ledger, once: the ledger is
+    compared with the answers' request ids, not with a count, because it also rightly holds
+    requests no client saw answered: those cut off when a load run stopped (wrk leaves up to
+    one per connection in flight; the gateway meters them) and those answered with an error
+    after admission (a 503 from a failing worker)."""
+
+    answered: int  # distinct request ids of 2xx answers
+    metered: int  # of those, in the ledger
+    missing: list[str]  # answered, not in the ledger
+    errored: int  # non-2xx answers that are in the ledger
+    unseen: int  # ledger rows of requests no client saw answered
+    unseen_bound: int  # how many requests can have been cut off or failed on the client side
+    problems: list[str]
+
+    @classmethod
+    def of(cls, answers: list[tuple[int, str]], ledger: dict[str, str], unseen_bound: int) -> LedgerCheck:
+        ok = [rid for status, rid in answers if 200 <= status < 300]
+        answered = set(ok)
+        other = {rid for status, rid in answers if not 200 <= status < 300} & ledger.keys()
+        missing = sorted(answered - ledger.keys())
+        unseen = len(ledger.keys() - answered - other)
+        problems: list[str] = []
+        if "-" in answered:
+            problems.append("answers without an x-request-id")
+        if len(answered) != len(ok):
+            problems.append(f"{len(ok) - len(answered)} request ids answered more than once")
+        if missing:
+            some = ", ".join(missing[:10])
+            problems.append(f"{len(missing)} answered requests have no usage event in the ledger: {some}")
+        if unseen > unseen_bound:
+            problems.append(
+                f"{unseen} usage events of requests no client saw answered, "
+                f"more than the {unseen_bound} that can have been cut off"
+            )
+        return cls(
+            answered=len(answered),
+            metered=len(answered) - len(missing),
+            missing=missing,
+            errored=len(other),
+            unseen=unseen,
+            unseen_bound=unseen_bound,
+            problems=problems,
+        )
+
+
+def wait_ready(
+    url: str,
+    body: bytes,
+    auth: str,
+    procs: Processes,
+    timeout: float = 180,
+    answers: list[tuple[int, str]] | None = None,
+) -> httpx.Response:
+    """Post until the answer is a 200. With `answers`, every answer's (status, x-request-id)
+    is appended there: the gateway meters its readiness requests too."""
     deadline = time.monotonic() + timeout
     headers = {"authorization": f"Bearer {auth}", "content-type": "application/json"}
     last: Any = None
@@ -384,6 +493,8 @@ def wait_ready(url: str, body: bytes, auth: str, procs: Processes, timeout: floa
         procs.check()
         try:
             r = httpx.post(url, content=body, headers=headers, timeout=30)
+            if answers is not None:
+                answers.append((r.status_code, r.headers.get("x-request-id", "-")))
             if r.status_code == 200:
                 return r
             last = f"{r.status_code} {r.text[:300]}"
@@ -410,6 +521,8 @@ def main() -> None:
     p.add_argument(
         "--rounds", type=int, default=1, help="repeat the gateway runs (alternating with --compare)"
     )
+    p.add_argument("--ledger-wait", type=float, default=120.0,
+                   help="seconds to wait for the usage consumer to meter every answered request")  # fmt: skip
     p.add_argument("--no-bare", action="store_true", help="skip the bare forwarder and the direct worker")
     p.add_argument("--bare-httpx", action="store_true", help="also a bare forwarder on httpx")
     p.add_argument("--no-wrk", action="store_true", help="load with bench._load even if wrk is installed")
@@ -441,6 +554,10 @@ def main() -> None:
     out = args.out or RESULTS / ("gateway-quick.json" if args.quick else "gateway.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
+    problems = result["ledger"]["problems"]
+    if problems:
+        # An answered request that is not metered is lost money: fail, and keep the logs.
+        sys.exit(f"the ledger does not match the answered requests ({'; '.join(problems)}); logs in {tmp}")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -511,9 +628,13 @@ def run(
     chat = msgspec.json.encode(
         {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}
     )
+    # (status, request id) of every answer any gateway gave, readiness requests included; the
+    # organisation is new, so its ledger holds exactly the requests of this run.
+    answers: list[tuple[int, str]] = []
+    unseen_bound = 0  # requests the gateways may have metered that no client saw answered
     sanity = []
     for name, _, url in gateways:
-        r = wait_ready(f"{url}/v1/chat/completions", chat, tenant.secret, procs)
+        r = wait_ready(f"{url}/v1/chat/completions", chat, tenant.secret, procs, answers=answers)
         sanity.append((name, r))
     first = sanity[0][1]
     limited = sorted(h for h in first.headers if h.startswith("x-ratelimit-"))
@@ -546,13 +667,13 @@ def run(
         bench.watched[name] = proc.pid
 
     runs: list[Run] = []
-    gateway_requests = len(gateways)  # the readiness requests
-    ledger_before = asyncio.run(ledger_rows(db_url, tenant.org_id))[0]
 
     def measure(target: Target, profile: Path | None = None) -> None:
-        nonlocal gateway_requests
+        nonlocal unseen_bound
         procs.check()
-        warm = bench.load(target, args.connections, args.warmup)
+        gateway = target.name.startswith("gateway")
+        mine = answers if gateway else None
+        warm = bench.load(target, args.connections, args.warmup, mine)
         spies = []
         if profile is not None and target.pid is not None:
             profile.mkdir(parents=True, exist_ok=True)
@@ -567,12 +688,14 @@ def run(
                      "--duration", str(int(args.seconds)), "--output", str(profile / f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 ))  # fmt: skip
-        loaded = bench.load(target, args.connections, args.seconds)
+        loaded = bench.load(target, args.connections, args.seconds, mine)
         for spy in spies:
             spy.wait()
-        single = bench.load(target, 1, args.latency_seconds)
-        if target.name.startswith("gateway"):
-            gateway_requests += warm.requests + loaded.requests + single.requests
+        single = bench.load(target, 1, args.latency_seconds, mine)
+        if gateway:
+            # At most one request per connection is in flight when a run stops, and each
+            # failed one (connect, read, write errors, timeouts) may have been served.
+            unseen_bound += sum(r.connections + sum(r.errors.values()) for r in (warm, loaded, single))
         for r in (loaded, single):
             runs.append(r)
             print(_line(r, target.name), file=sys.stderr)
@@ -588,21 +711,23 @@ def run(
             profile = args.profile if round_ == 0 else None
             measure(Target(name, f"{url}/v1/chat/completions", chat, tenant.secret, pid), profile)
 
-    # Every answered request is metered: wait for the ledger to catch up (in-flight requests
-    # cut off when wrk stops are metered too, as cancelled, so it may hold a few more).
-    deadline = time.monotonic() + 120
-    rows = tokens = 0
-    while time.monotonic() < deadline:
-        rows, tokens = asyncio.run(ledger_rows(db_url, tenant.org_id))
-        if rows - ledger_before >= gateway_requests:
+    # Every answered request is metered: wait for the ledger to catch up, then compare it with
+    # the answers' request ids.
+    deadline = time.monotonic() + args.ledger_wait
+    while True:
+        ledger, tokens = asyncio.run(ledger_ids(db_url, tenant.org_id))
+        check = LedgerCheck.of(answers, ledger, unseen_bound)
+        if not check.missing or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    metered = rows - ledger_before
     print(
-        f"\nledger: {metered} usage events for {gateway_requests} answered gateway requests", file=sys.stderr
+        f"\nledger: {check.metered} usage events for {check.answered} answered gateway requests "
+        f"(and {check.unseen} for requests cut off when a load run stopped, {check.errored} for "
+        "requests answered with an error)",
+        file=sys.stderr,
     )
-    if metered < gateway_requests:
-        print("WARNING: the ledger is missing usage events", file=sys.stderr)
+    for problem in check.problems:
+        print(f"ERROR: {problem}", file=sys.stderr)
 
     table = report(runs, args.connections)
     print(table)
@@ -619,7 +744,16 @@ def run(
             "redis": "private redis-server, no persistence",
         },
         "runs": [asdict(r) for r in runs],
-        "ledger": {"usage_events": metered, "answered": gateway_requests, "completion_tokens": tokens},
+        "ledger": {
+            "usage_events": check.metered,  # of the answered requests
+            "answered": check.answered,
+            "missing": check.missing,
+            "cut_off": check.unseen,
+            "errored": check.errored,
+            "ledger_rows": len(ledger),
+            "completion_tokens": tokens,
+            "problems": check.problems,
+        },
         "table": table,
     }
 

@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
@@ -661,7 +662,9 @@ def verify_webhook(
 ) -> dict[str, Any]:
     """The event of a webhook request whose `Stripe-Signature` is valid: an HMAC-SHA256 of
     `{t}.{payload}` under the endpoint's secret, made no more than `tolerance` seconds ago
-    (the SDK's own check). Anything else raises WebhookError."""
+    (the SDK's own check) and no more than `tolerance` seconds ahead (the SDK accepts any
+    future time, so a signature leaked from a clock-skewed signer would stay valid for as
+    long as it was post-dated). Anything else raises WebhookError."""
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
@@ -670,9 +673,11 @@ def verify_webhook(
         stripe.WebhookSignature.verify_header(text, signature, secret, tolerance)
     except stripe.SignatureVerificationError as exc:
         raise WebhookError(str(exc.user_message or exc)) from None
+    if _signed_at(signature or "") > time.time() + tolerance:
+        raise WebhookError("Timestamp outside the tolerance zone (in the future)")
     try:
         event = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise WebhookError("the payload is not JSON") from None
     if (
         not isinstance(event, dict)
@@ -681,6 +686,13 @@ def verify_webhook(
     ):
         raise WebhookError("the payload is not a Stripe event")
     return event
+
+
+def _signed_at(header: str) -> int:
+    """The `t=` of a Stripe-Signature header the SDK verified (so it is there, an integer),
+    read as the SDK reads it."""
+    items = [item.split("=", 2) for item in header.split(",")]
+    return int(next(item[1] for item in items if item[0] == "t"))
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -26,6 +27,7 @@ from litestar.datastructures import State, UploadFile
 from litestar.di import NamedDependency, Provide
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from multipart import MultipartSegment
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from control_plane import lora
@@ -71,15 +73,15 @@ from control_plane.services import (
     deployment_adapters,
     remove_adapter_files,
 )
+from tokenmill.bodies import MULTIPART_HEADER_BYTES, Form, read_multipart
 from tokenmill.bus import EventBus
+from tokenmill.clients import auth_failures
 from tokenmill.errors import APIError
 from tokenmill.protocol import KEYS, KeysChanged
 from tokenmill.settings import Settings
 from tokenmill.storage import Storage
 
 ADMIN_ROLES = ("platform_admin", "org_admin")
-# Largest adapter upload (both files); Litestar refuses bigger bodies with 413 before reading them.
-MAX_ADAPTER_UPLOAD = 2 << 30
 
 # --- who is calling ------------------------------------------------------------------------
 
@@ -93,8 +95,10 @@ async def authenticate_admin(connection: ASGIConnection[Any, Any, Any, Any]) -> 
             401, "Admin endpoints need 'Authorization: Bearer <admin key>'.", code="invalid_api_key"
         )
     state = connection.app.state
-    async with state.sessionmaker() as session:
-        key, _org = await authenticate(session, secret.strip(), state.settings.secret_key)
+    # An address that keeps failing gets 429 before any further database read.
+    with auth_failures(connection):
+        async with state.sessionmaker() as session:
+            key, _org = await authenticate(session, secret.strip(), state.settings.secret_key)
     if key.role not in ADMIN_ROLES:
         raise APIError(403, "This key may not use the admin API.", code="insufficient_permissions")
     return Principal(role=key.role, org_id=key.org_id, key_id=key.id, user_id=key.user_id)
@@ -552,40 +556,127 @@ class DeploymentController(Controller):
 
 _UPLOAD_HELP = (
     "Upload a PEFT LoRA adapter as multipart/form-data: text fields 'name' and 'model' (the base "
-    f"model's id or name) and the files {lora.CONFIG_FILE} and {lora.WEIGHTS_FILE}."
+    f"model's id or name), then the files {lora.CONFIG_FILE} and {lora.WEIGHTS_FILE}."
 )
+# A text field of an upload (a name, a model id, a CSRF token) and parts in all: what a
+# valid upload needs, with room to spare, and not a byte of memory more.
+UPLOAD_FIELD_BYTES = 4096
+UPLOAD_PARTS = 16
 
 
-def _upload_parts(form: Any) -> tuple[str, str, UploadFile, UploadFile]:
-    """(name, model, config file, weights file) of an adapter upload. Files are recognised
-    by file name or by field name, so `-F file=@adapter_config.json` and
-    `-F adapter_config.json=@x.json` both work."""
-    fields: dict[str, str] = {}
-    files: dict[str, UploadFile] = {}
-    for field, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            base = os.path.basename(value.filename or "")
-            if base == "adapter_model.bin" or field == "adapter_model.bin":
+@dataclass(slots=True)
+class AdapterUpload:
+    """An adapter upload as received: its form (close it when done) and its parts."""
+
+    form: Form
+    name: str
+    model: str
+    config: bytes
+    weights: UploadFile
+    weights_size: int
+
+
+def _file_role(field: str, filename: str | None) -> str:
+    """Which file of an adapter a part is: by file name or by field name, so
+    `-F file=@adapter_config.json`, `-F adapter_config.json=@x.json` and the dashboard's
+    `config`/`weights` inputs all work."""
+    base = os.path.basename(filename or "")
+    if "adapter_model.bin" in (base, field) or (field == "weights" and base.endswith(".bin")):
+        raise APIError(
+            400,
+            "Pickled adapter_model.bin files are not accepted (loading them runs code); "
+            f"save the adapter with safetensors ({lora.WEIGHTS_FILE}).",
+            param=lora.WEIGHTS_FILE,
+        )
+    if lora.CONFIG_FILE in (base, field) or field == "config":
+        return lora.CONFIG_FILE
+    if lora.WEIGHTS_FILE in (base, field) or field == "weights":
+        return lora.WEIGHTS_FILE
+    raise APIError(400, f"Unexpected file '{base or field}'. {_UPLOAD_HELP}", param=field)
+
+
+async def read_adapter_upload(
+    request: Request[Any, Any, Any],
+    adapters: AdapterService,
+    settings: Settings,
+    storage: Storage,
+    *,
+    before_files: Callable[[Form], Awaitable[None]] | None = None,
+) -> AdapterUpload:
+    """Stream an adapter upload in, refusing it (413) as soon as a part passes its limit:
+    text fields `UPLOAD_FIELD_BYTES`, the config 1 MiB, the weights the largest valid
+    adapter for the base model at `TOKENMILL_MAX_LORA_RANK` (so `model` must come before
+    the weights). `before_files` runs once, on the text fields, before any file is read
+    (the dashboard checks its CSRF token and organisation there)."""
+    content_type, options = request.content_type
+    boundary = options.get("boundary")
+    if content_type != "multipart/form-data" or not boundary:
+        raise APIError(415, _UPLOAD_HELP)
+    checked = False
+    weights: tuple[int, str] | None = None
+
+    async def check(form: Form) -> None:
+        nonlocal checked
+        if not checked and before_files is not None:
+            await before_files(form)
+        checked = True
+
+    async def file_limit(part: MultipartSegment, form: Form) -> tuple[int, str]:
+        nonlocal weights
+        await check(form)
+        role = _file_role(part.name or "", part.filename)
+        if any(_file_role(f, u.filename) == role for f, u in form.files):
+            raise APIError(400, f"{role} was sent twice.", param=role)
+        model = (form.text("model") or "").strip()
+        if role == lora.WEIGHTS_FILE and not model:
+            raise APIError(
+                400,
+                f"Send the 'model' field before {lora.WEIGHTS_FILE} (its size limit depends on the "
+                f"base model). {_UPLOAD_HELP}",
+                param="model",
+            )
+        if weights is None and model:
+            name, size = await adapters.weights_limit(
+                model, cache_dir=settings.cache_dir, storage=storage, max_rank=settings.max_lora_rank
+            )
+            why = f", the largest valid adapter for {name} at rank {settings.max_lora_rank}"
+            weights = size, why
+            # Everything a valid upload can hold: refuse a larger announced body before reading it.
+            whole = size + lora.MAX_CONFIG + UPLOAD_PARTS * (UPLOAD_FIELD_BYTES + MULTIPART_HEADER_BYTES * 8)
+            if (request.content_length or 0) > whole:
                 raise APIError(
-                    400,
-                    "Pickled adapter_model.bin files are not accepted (loading them runs code); "
-                    f"save the adapter with safetensors ({lora.WEIGHTS_FILE}).",
-                    param=lora.WEIGHTS_FILE,
+                    413, f"The upload is larger than {whole} bytes{why}.", code="request_too_large"
                 )
-            for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
-                if name in (base, field):
-                    if name in files:
-                        raise APIError(400, f"{name} was sent twice.", param=name)
-                    files[name] = value
-        else:
-            fields[field] = str(value)
-    for param in ("name", "model"):
-        if not fields.get(param, "").strip():
-            raise APIError(400, f"'{param}' is missing. {_UPLOAD_HELP}", param=param)
-    for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
-        if name not in files:
-            raise APIError(400, f"{name} is missing. {_UPLOAD_HELP}", param=name)
-    return fields["name"], fields["model"].strip(), files[lora.CONFIG_FILE], files[lora.WEIGHTS_FILE]
+        if role == lora.CONFIG_FILE:
+            return lora.MAX_CONFIG, ""
+        assert weights is not None
+        return weights
+
+    form = await read_multipart(
+        request.stream(),
+        boundary.encode(),
+        text_limit=UPLOAD_FIELD_BYTES,
+        max_parts=UPLOAD_PARTS,
+        file_limit=file_limit,
+    )
+    try:
+        await check(form)  # an upload without files still has its fields checked
+        # The first of each, as the weights' limit was decided from the first `model`.
+        fields = {param: form.text(param) or "" for param in ("name", "model")}
+        for param, value in fields.items():
+            if not value.strip():
+                raise APIError(400, f"'{param}' is missing. {_UPLOAD_HELP}", param=param)
+        files = {_file_role(f, u.filename): u for f, u in form.files}
+        for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+            if name not in files:
+                raise APIError(400, f"{name} is missing. {_UPLOAD_HELP}", param=name)
+        config = await files[lora.CONFIG_FILE].read()
+        weights_file = files[lora.WEIGHTS_FILE]
+        size = await asyncio.to_thread(_file_size, weights_file)
+    except BaseException:
+        await form.close()
+        raise
+    return AdapterUpload(form, fields["name"], fields["model"].strip(), config, weights_file, size)
 
 
 def _file_size(upload: UploadFile) -> int:
@@ -610,7 +701,8 @@ class AdapterController(Controller):
         org = await orgs.visible(org_id, admin)
         return [_out(a, AdapterOut) for a in await adapters.list_for_org(org.id)]
 
-    @post("/organizations/{org_id:str}/adapters", request_max_body_size=MAX_ADAPTER_UPLOAD)
+    # No body limit of Litestar's: `read_adapter_upload` sets one from the base model.
+    @post("/organizations/{org_id:str}/adapters", request_max_body_size=None)
     async def upload_adapter(
         self,
         org_id: FromPath[str],
@@ -624,20 +716,15 @@ class AdapterController(Controller):
     ) -> AdapterOut:
         """Checked against the base model's layer shapes and the rank limit, then stored."""
         org = await orgs.visible(org_id, admin)
-        if request.content_type[0] != "multipart/form-data":
-            raise APIError(415, _UPLOAD_HELP)
-        form = await request.form()
+        upload = await read_adapter_upload(request, adapters, settings, storage)
         try:
-            name, model, config_file, weights_file = _upload_parts(form)
-            config_raw = await config_file.read((1 << 20) + 1)  # parse_config refuses more than 1 MiB
-            weights_size = await asyncio.to_thread(_file_size, weights_file)
             adapter = await adapters.create_adapter(
                 org_id=org.id,
-                name=name,
-                model_ref=model,
-                config_raw=config_raw,
-                weights=weights_file.file,
-                weights_size=weights_size,
+                name=upload.name,
+                model_ref=upload.model,
+                config_raw=upload.config,
+                weights=upload.weights.file,
+                weights_size=upload.weights_size,
                 storage=storage,
                 cache_dir=settings.cache_dir,
                 max_rank=settings.max_lora_rank,
@@ -652,9 +739,7 @@ class AdapterController(Controller):
                 raise
             return out
         finally:
-            for value in form.values():
-                if isinstance(value, UploadFile):
-                    await value.close()
+            await upload.form.close()
 
     @get("/adapters/{adapter_id:str}")
     async def get_adapter(

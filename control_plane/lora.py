@@ -33,6 +33,11 @@ MODULES = ATTENTION + MLP
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 _MAX_HEADER = 64 << 20  # a header this large is not an adapter's
 _MAX_CONFIG = 1 << 20
+MAX_CONFIG = _MAX_CONFIG
+# A safetensors header entry of one tensor is ~170 bytes of JSON (a 78-character name, dtype,
+# shape, offsets); 256 leaves room. `__metadata__` (PEFT writes {"format": "pt"}) gets 64 KiB.
+_HEADER_PER_TENSOR = 256
+_HEADER_METADATA = 64 << 10
 # PEFT names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT
 # versions sometimes keep the adapter name, `.lora_A.default.weight`).
 _TENSOR = re.compile(
@@ -81,6 +86,19 @@ class BaseShapes:
             raise ValueError(f"not a Llama-family config.json (missing or bad {exc})") from None
 
 
+def max_header_size(shapes: BaseShapes) -> int:
+    """Largest safetensors header of an adapter for `shapes`: every module of every layer."""
+    return _HEADER_METADATA + _HEADER_PER_TENSOR * shapes.num_layers * len(MODULES) * 2
+
+
+def max_weights_size(shapes: BaseShapes, max_rank: int) -> int:
+    """Bytes of the largest adapter_model.safetensors `validate` accepts for `shapes` at
+    `max_rank`: A and B of every module of every layer, float32, the largest header. An
+    upload is refused as soon as it passes this, before it is all received."""
+    per_rank = sum(sum(shapes.in_out(m)) for m in MODULES) * shapes.num_layers  # A + B elements
+    return 8 + max_header_size(shapes) + per_rank * max_rank * max(_DTYPE_BYTES.values())
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
     rank: int
@@ -103,6 +121,8 @@ def parse_config(raw: bytes, max_rank: int) -> tuple[int, float, list[str]]:
         config = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"{CONFIG_FILE} is not valid JSON: {exc}", CONFIG_FILE) from None
+    except RecursionError:
+        raise _bad(f"{CONFIG_FILE} is not valid JSON: nested too deeply.", CONFIG_FILE) from None
     if not isinstance(config, dict):
         raise _bad(f"{CONFIG_FILE} must hold a JSON object.", CONFIG_FILE)
     peft_type = config.get("peft_type", "LORA")
@@ -145,7 +165,7 @@ def parse_config(raw: bytes, max_rank: int) -> tuple[int, float, list[str]]:
     return rank, float(alpha), sorted(set(targets), key=MODULES.index)
 
 
-def read_header(f: IO[bytes], size: int) -> dict[str, Any]:
+def read_header(f: IO[bytes], size: int, max_header: int = _MAX_HEADER) -> dict[str, Any]:
     """The safetensors header of a file of `size` bytes, with every entry's byte range
     checked against its dtype and shape; 400 on anything malformed."""
     param = WEIGHTS_FILE
@@ -153,11 +173,11 @@ def read_header(f: IO[bytes], size: int) -> dict[str, Any]:
         raise _bad(f"{WEIGHTS_FILE} is too short to be a safetensors file.", param)
     f.seek(0)
     (length,) = struct.unpack("<Q", f.read(8))
-    if length > min(_MAX_HEADER, size - 8):
+    if length > min(max_header, size - 8):
         raise _bad(f"{WEIGHTS_FILE} is not a valid safetensors file (header length {length}).", param)
     try:
         header = json.loads(f.read(length))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise _bad(f"{WEIGHTS_FILE} is not a valid safetensors file (bad header).", param) from None
     if not isinstance(header, dict):
         raise _bad(f"{WEIGHTS_FILE} is not a valid safetensors file (bad header).", param)
@@ -248,7 +268,7 @@ def validate(
 ) -> AdapterInfo:
     """Check an adapter's two files (blocking: reads the weights once to hash them)."""
     rank, alpha, targets = parse_config(config_raw, max_rank)
-    header = read_header(weights, weights_size)
+    header = read_header(weights, weights_size, max_header_size(shapes))
     check_tensors(header, shapes, rank, targets)
     return AdapterInfo(
         rank=rank,

@@ -935,6 +935,29 @@ class AdapterService(SQLAlchemyAsyncRepositoryService[Adapter]):
             raise _not_found("adapter", adapter_id)
         return adapter
 
+    async def _base(self, model_ref: str, cache_dir: Path, storage: Storage) -> tuple[Model, lora.BaseShapes]:
+        """The base model an adapter is for, and its layer shapes (400 if it takes none)."""
+        model = await _model_ref(self.repository.session, model_ref)
+        if model.kind != "generate":
+            raise APIError(
+                400, f"Model '{model.name}' computes embeddings; it takes no adapters.", param="model"
+            )
+        try:
+            shapes = await asyncio.to_thread(_base_shapes, model.source, cache_dir, storage)
+        except (OSError, ValueError) as exc:
+            raise APIError(
+                400, f"The base model '{model.name}' cannot be checked for adapters: {exc}", param="model"
+            ) from None
+        return model, shapes
+
+    async def weights_limit(
+        self, model_ref: str, *, cache_dir: Path, storage: Storage, max_rank: int
+    ) -> tuple[str, int]:
+        """(base model name, size of the largest weights file `create_adapter` accepts for it):
+        what an upload may send before it is refused, decided before its files arrive."""
+        model, shapes = await self._base(model_ref, cache_dir, storage)
+        return model.name, lora.max_weights_size(shapes, max_rank)
+
     async def create_adapter(
         self,
         *,
@@ -968,17 +991,7 @@ class AdapterService(SQLAlchemyAsyncRepositoryService[Adapter]):
         )
         if await session.scalar(visible_names.limit(1)) is not None:
             raise APIError(409, f"A deployment named '{name}' exists; pick another name.", param="name")
-        model = await _model_ref(session, model_ref)
-        if model.kind != "generate":
-            raise APIError(
-                400, f"Model '{model.name}' computes embeddings; it takes no adapters.", param="model"
-            )
-        try:
-            shapes = await asyncio.to_thread(_base_shapes, model.source, cache_dir, storage)
-        except (OSError, ValueError) as exc:
-            raise APIError(
-                400, f"The base model '{model.name}' cannot be checked for adapters: {exc}", param="model"
-            ) from None
+        model, shapes = await self._base(model_ref, cache_dir, storage)
         info = await asyncio.to_thread(lora.validate, config_raw, weights, weights_size, shapes, max_rank)
 
         adapter_id = new_id("adapter")
@@ -1317,11 +1330,13 @@ class WorkerLifetimes(GroupConsumer):
                     elif worker.stopped_at is None:
                         worker.last_seen_at = ts
                 elif isinstance(ev, WorkerDeparture):
+                    # A lost worker (declared gone by the reconciler) stops at its last
+                    # heartbeat: no unseen time is billed, and none that was seen is dropped.
                     self._seen.pop(ev.worker_id, None)
                     await session.execute(
                         update(Worker)
                         .where(Worker.id == ev.worker_id, Worker.stopped_at.is_(None))
-                        .values(stopped_at=ts, last_seen_at=ts, status="stopped")
+                        .values(stopped_at=ts, last_seen_at=ts, status="lost" if ev.lost else "stopped")
                     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from litestar import Litestar, Request, Response, Router, asgi
 from litestar.config.csrf import CSRFConfig
@@ -33,6 +34,7 @@ from dashboard import PREFIX, filters
 from dashboard.auth import DashboardSettings, LoginRequired, NoDashboard, derive
 from dashboard.controllers import ROUTES
 from dashboard.fleet import FleetStatus
+from tokenmill.bodies import Request as BodyRequest
 from tokenmill.bus import EventBus
 from tokenmill.db import provide_db_session
 from tokenmill.errors import APIError
@@ -54,6 +56,10 @@ SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
     "script-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
 }
+# Sent when TOKENMILL_PUBLIC_URL is https: a year, the usual value (and what preload lists ask).
+HSTS = "max-age=31536000"
+# Largest body of a dashboard form (Litestar's default is 10 MB); the adapter upload sets its own.
+FORM_BODY_BYTES = 1 << 20
 
 
 # --- error pages ----------------------------------------------------------------------------
@@ -123,6 +129,7 @@ def build_app(
     dashboard_settings: DashboardSettings | None = None,
 ) -> Litestar:
     dash = dashboard_settings or DashboardSettings()
+    secure = is_https(settings.public_url)
     session = CookieBackendConfig(
         secret=derive(settings.secret_key, "session"),
         key=SESSION_COOKIE,
@@ -130,14 +137,14 @@ def build_app(
         max_age=int(dash.session_hours * 3600),
         httponly=True,
         samesite="lax",
-        secure=dash.secure_cookies,
+        secure=secure,
     )
     csrf = CSRFConfig(
         secret=derive(settings.secret_key, "csrf").hex(),
         cookie_name=CSRF_COOKIE,
         cookie_path=PREFIX,
         cookie_httponly=True,  # scripts read the token from the page's <meta>, not the cookie
-        cookie_secure=dash.secure_cookies,
+        cookie_secure=secure,
         cookie_samesite="lax",
         header_name="x-csrftoken",
     )
@@ -166,6 +173,10 @@ def build_app(
             Exception: _internal,
         },
         cache_control=CacheControlHeader(no_store=True),
+        # Forms decoded without 500s and with bounded fields; form bodies are small (the
+        # adapter upload streams its files under limits of its own).
+        request_class=BodyRequest,
+        request_max_body_size=FORM_BODY_BYTES,
         openapi_config=None,
         logging_config=None,
         debug=False,
@@ -195,6 +206,10 @@ class Mounted:
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
+def is_https(url: str | None) -> bool:
+    return bool(url) and urlsplit(url or "").scheme.lower() == "https"
+
+
 def mount(
     settings: Settings,
     *,
@@ -210,6 +225,11 @@ def mount(
         settings, sessionmaker=sessionmaker, bus=bus, storage=storage, fleet=fleet, limiter=limiter
     )
 
+    security_headers = dict(SECURITY_HEADERS)
+    if is_https(settings.public_url):
+        # Browsers that saw the dashboard over https never try plain http for it again.
+        security_headers["strict-transport-security"] = HSTS
+
     @asgi(PREFIX, is_mount=True, copy_scope=True, include_in_schema=False)
     async def dashboard(scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -220,7 +240,7 @@ def mount(
                 # Server time up to the first byte (the page is rendered by then): what the
                 # browser's devtools and bench/dashboard.py read.
                 headers.add("server-timing", f"app;dur={(time.perf_counter() - started) * 1000:.1f}")
-                for name, value in SECURITY_HEADERS.items():
+                for name, value in security_headers.items():
                     headers.add(name, value)
             await send(message)
 

@@ -17,17 +17,22 @@ import secrets
 import time
 from typing import Any
 
+from litestar import Request
 from litestar.connection import ASGIConnection
+from litestar.exceptions import PermissionDeniedException
 from litestar.handlers import BaseRouteHandler
+from litestar.middleware.csrf import CSRF_SECRET_LENGTH, generate_csrf_hash
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from control_plane.controllers import ADMIN_ROLES
 from control_plane.models import User
 from control_plane.services import Principal
+from tokenmill.clients import throttle_key
 from tokenmill.limits import Limit, RateLimiter
 
-# Login attempts are counted over this many seconds, per address and email and per address.
+# Login attempts are counted over this many seconds: per address and email, per address,
+# and per email (whatever the address).
 LOGIN_PERIOD = 300.0
 
 
@@ -36,17 +41,18 @@ class DashboardSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TOKENMILL_DASHBOARD_", extra="ignore")
 
-    secure_cookies: bool = Field(
-        default=False,
-        description="Mark the session and CSRF cookies `Secure` (set it when the dashboard is "
-        "served over https).",
-    )
     session_hours: float = Field(default=8.0, gt=0, description="How long a sign-in lasts.")
     login_attempts: int = Field(
         default=5, ge=1, description="Sign-in attempts per client address and email in 5 minutes."
     )
     login_attempts_per_address: int = Field(
         default=30, ge=1, description="Sign-in attempts per client address (any email) in 5 minutes."
+    )
+    login_attempts_per_account: int = Field(
+        default=20,
+        ge=1,
+        description="Sign-in attempts per email (from any address) in 5 minutes, so guessing one "
+        "account's password from many addresses is as slow as from one.",
     )
 
 
@@ -66,9 +72,12 @@ class NoDashboard(Exception):
 
 
 def login_limits(settings: DashboardSettings, address: str, email: str) -> list[Limit]:
-    """Both limits of one attempt: guessing one account's password is slow, and so is trying
-    many accounts from one address."""
+    """The three limits of one attempt: guessing one account's password is slow from one
+    address and from many, and so is trying many accounts from one address. (The price of
+    the per-account one: someone flooding an account's sign-in delays its owner too.)"""
     email_key = hashlib.sha256(email.strip().lower().encode()).hexdigest()[:32]  # no address in Redis keys
+    # Per IPv6 /64, not per address: one host commonly holds a whole /64.
+    address = throttle_key(address)
     return [
         Limit(
             f"dash-login:{address}:{email_key}",
@@ -82,6 +91,12 @@ def login_limits(settings: DashboardSettings, address: str, email: str) -> list[
             period=LOGIN_PERIOD,
             burst=settings.login_attempts_per_address,
         ),
+        Limit(
+            f"dash-login-account:{email_key}",
+            rate=settings.login_attempts_per_account,
+            period=LOGIN_PERIOD,
+            burst=settings.login_attempts_per_account,
+        ),
     ]
 
 
@@ -93,6 +108,24 @@ async def check_login_rate(
     if all(d.allowed for d in decisions):
         return 0.0
     return max(d.retry_after for d in decisions if not d.allowed)
+
+
+def check_csrf(request: Request[Any, Any, Any], token: str | None) -> None:
+    """What Litestar's CSRF middleware checks, for the one form it does not see (the adapter
+    upload, whose token must be checked before its files are read): the token sent matches
+    the cookie, and both carry our HMAC. 403 otherwise, as the middleware answers."""
+    config = request.app.csrf_config
+    cookie = request.cookies.get(config.cookie_name) if config else None
+
+    def secret_of(value: str | None) -> str | None:
+        if config is None or not value or len(value) <= CSRF_SECRET_LENGTH:
+            return None
+        secret, digest = value[:CSRF_SECRET_LENGTH], value[CSRF_SECRET_LENGTH:]
+        return secret if hmac.compare_digest(digest, generate_csrf_hash(secret, config.secret)) else None
+
+    sent, expected = secret_of(token), secret_of(cookie)
+    if sent is None or expected is None or not hmac.compare_digest(sent, expected):
+        raise PermissionDeniedException("CSRF token verification failed")
 
 
 def start_session(connection: ASGIConnection[Any, Any, Any, Any], user: User) -> None:

@@ -10,7 +10,6 @@ in a service (platform-only operations), the same check is made here.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -18,14 +17,13 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, Router, get, post
-from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Stream, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.services import PriceBook, get_invoice, list_invoices
-from control_plane.controllers import MAX_ADAPTER_UPLOAD, announce
+from control_plane.controllers import AdapterUpload, announce, read_adapter_upload
 from control_plane.models import ROLES, Model, Plan
 from control_plane.schemas import (
     DeploymentCreate,
@@ -48,7 +46,7 @@ from control_plane.services import (
     remove_adapter_files,
 )
 from dashboard import PREFIX, charts
-from dashboard.auth import check_login_rate, require_login, start_session
+from dashboard.auth import check_csrf, check_login_rate, require_login, start_session
 from dashboard.fleet import LiveWorker
 from dashboard.services import (
     PRESETS,
@@ -63,6 +61,8 @@ from dashboard.services import (
     usage_series,
     window,
 )
+from tokenmill.bodies import Form
+from tokenmill.clients import client_address, trusted_networks
 from tokenmill.errors import APIError
 from tokenmill.protocol import KeysChanged
 
@@ -218,7 +218,7 @@ async def login(request: Request[Any, Any, Any]) -> Response[Any]:
     email, password = fields.get("email", ""), (await request.form()).get("password") or ""
     target = _safe_next(fields.get("next"))
     state = request.app.state
-    address = request.client.host if request.client else "unknown"
+    address = client_address(request.scope, trusted_networks(state.settings.trusted_proxies))
     wait = await check_login_rate(state.limiter, state.dashboard_settings, address, email)
     if wait:
         response = _login_page(
@@ -616,57 +616,58 @@ async def models(
     )
 
 
-def _size(upload: UploadFile) -> int:
-    upload.file.seek(0, os.SEEK_END)
-    size = upload.file.tell()
-    upload.file.seek(0)
-    return size
-
-
-@post("/adapters", request_max_body_size=MAX_ADAPTER_UPLOAD)
+# Not behind Litestar's CSRF middleware, which would read the whole form (files and all)
+# before anything else is checked: the token is checked here, before the first file, and
+# Litestar's body limit gives way to the one `read_adapter_upload` derives from the model.
+@post("/adapters", request_max_body_size=None, exclude_from_csrf=True)
 async def upload_adapter(
     request: Request[Any, Any, Any], db_session: NamedDependency[AsyncSession]
 ) -> Redirect:
     """The two PEFT files, checked against the base model and stored (as the admin API's
     upload); the page's script sends it with a progress bar, a plain form post works too."""
     admin = _admin(request)
-    data = await request.form()
-    try:
-        org_ref = data.get("org")
+    state = request.app.state
+    org_id = admin.org_id
+
+    async def before_files(form: Form) -> None:
+        nonlocal org_id
+        check_csrf(request, request.headers.get("x-csrftoken") or form.text("_csrf_token"))
         # Another organisation's (or a missing) one is a 404 page, as everywhere.
-        org_id = await _org_for_write(db_session, admin, org_ref if isinstance(org_ref, str) else None)
-        try:
-            adapter = await _store_adapter(request, db_session, admin, org_id, data)
-        except APIError as exc:
-            await db_session.rollback()
-            flash(request, "error", exc.message)
-            return back(f"/models?org={org_id}")
+        org_id = await _org_for_write(db_session, admin, form.text("org"))
+
+    adapters = AdapterService(session=db_session)
+    try:
+        upload = await read_adapter_upload(
+            request, adapters, state.settings, state.storage, before_files=before_files
+        )
+    except APIError as exc:
+        if exc.status == 404 or org_id is None:
+            raise
+        flash(request, "error", exc.message)
+        return back(f"/models?org={org_id}")
+    try:
+        adapter = await _store_adapter(request, db_session, admin, org_id, upload)
+    except APIError as exc:
+        await db_session.rollback()
+        flash(request, "error", exc.message)
+        return back(f"/models?org={org_id}")
     finally:
-        for value in data.values():
-            if isinstance(value, UploadFile):
-                await value.close()
+        await upload.form.close()
     flash(request, "ok", f"Uploaded adapter {adapter.name} (rank {adapter.rank}); use it as the model name.")
     return back(f"/models?org={org_id}")
 
 
 async def _store_adapter(
-    request: Request[Any, Any, Any], db: AsyncSession, admin: Principal, org_id: str, data: Any
+    request: Request[Any, Any, Any], db: AsyncSession, admin: Principal, org_id: str, upload: AdapterUpload
 ) -> Any:
     state = request.app.state
-    config, weights = data.get("config"), data.get("weights")
-    if not isinstance(config, UploadFile) or not isinstance(weights, UploadFile):
-        raise APIError(400, "Choose both files: adapter_config.json and adapter_model.safetensors.")
-    if (weights.filename or "").endswith(".bin"):
-        raise APIError(
-            400, "Pickled .bin adapters are not accepted (loading them runs code); use safetensors."
-        )
     adapter = await AdapterService(session=db).create_adapter(
         org_id=org_id,
-        name=str(data.get("name") or ""),
-        model_ref=str(data.get("model") or ""),
-        config_raw=await config.read((1 << 20) + 1),  # the validator refuses more than 1 MiB
-        weights=weights.file,
-        weights_size=await asyncio.to_thread(_size, weights),
+        name=upload.name,
+        model_ref=upload.model,
+        config_raw=upload.config,
+        weights=upload.weights.file,
+        weights_size=upload.weights_size,
         storage=state.storage,
         cache_dir=state.settings.cache_dir,
         max_rank=state.settings.max_lora_rank,

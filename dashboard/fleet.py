@@ -11,12 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import msgspec
-
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerTable
-from tokenmill.protocol import WORKERS, WorkerEvent
-from tokenmill.tasks import Background, tail
+from tokenmill.tasks import Background
 
 # A worker silent this many timeouts long leaves the table; shorter silences show as "lost".
 FORGET_AFTER = 20
@@ -53,8 +50,7 @@ class FleetStatus(WorkerTable, Background):
         self.bus = bus
 
     async def run(self) -> None:
-        decoder = msgspec.json.Decoder(WorkerEvent)
-        await tail(self.bus, WORKERS, lambda raw: self.apply(decoder.decode(raw)), name=self.name)
+        await self.follow(self.bus, name=self.name)
 
     def snapshot(self, deployment_ids: set[str] | None = None) -> list[LiveWorker]:
         """The workers (of `deployment_ids` only, when given), by deployment then id."""

@@ -1,14 +1,19 @@
-"""Admission: rate limits, concurrency and the budget hold, in one step before routing.
+"""Admission: rate limits, concurrency and the budget hold, in two steps before routing.
 
 Per key and per organisation: requests a minute (cost 1), tokens a minute (prompt +
 max_tokens charged up front, the unused part refunded at the end) and concurrent
 requests. The organisation's monthly budget is a spend counter (integer nano-units of its
 currency) seeded from the ledger; each request holds its worst-case cost until it ends and
 then settles its actual cost, so concurrent requests cannot overshoot a hard budget.
-Everything is one `RateLimiter.admit` call: one Redis round trip, all or nothing.
 
-If the limiter is unreachable, requests are admitted (availability first) unless the
-organisation has a hard budget, which cannot be checked without it.
+`count` charges the request limits right after authentication, before anything expensive
+(rendering, tokenizing, compiling a grammar): a flood of costly requests meets 429s, not
+work. `admit` follows once the prompt's size is known: tokens, concurrency and the budget
+hold in one `RateLimiter.admit` call (one Redis round trip, all or nothing).
+
+If the limiter is unreachable (an outage error: `tokenmill.spool.OUTAGE_ERRORS`), requests
+are admitted (availability first) unless the organisation has a hard budget, which cannot
+be checked without it. Any other failure is a bug and is not papered over.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from billing.services import Rates, model_rates, month_bounds, spend_since
 from gateway.keys import Caller, Rate
 from tokenmill.errors import APIError
 from tokenmill.limits import Admission, Hold, Limit, RateLimiter, Slot
+from tokenmill.spool import OUTAGE_ERRORS
 
 log = logging.getLogger("tokenmill.gateway.admission")
 
@@ -108,18 +114,36 @@ class Admitter:
         self._rates[model_id] = (rates, time.monotonic() + RATES_TTL)
         return rates
 
-    async def admit(
-        self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
-    ) -> Ticket:
-        """`model_id`: whose token prices apply; None when tokens are not billed (dedicated)."""
+    async def count(self, caller: Caller, request_id: str) -> dict[str, str]:
+        """Charge one request on the key's and the organisation's request limits; their
+        `x-ratelimit-*-requests` headers, or a 429 carrying them."""
         q = caller.quota
-        tag = f"{{{caller.org_id}}}"  # one Redis Cluster hash slot for all of an org's keys
-        cost = prompt_tokens + max_tokens
+        tag = f"{{{caller.org_id}}}"
         requests: list[tuple[Limit, Rate, str]] = []
-        tokens: list[tuple[Limit, Rate, str]] = []
         for who, rate, key in (("key", q.key_requests, f"k:{caller.key_id}"), ("org", q.org_requests, "o")):
             if rate is not None:
                 requests.append((Limit(f"{tag}:{key}:rpm", rate.per_minute, 60.0, rate.burst, 1), rate, who))
+        if not requests:
+            return {}
+        try:
+            result = await self.limiter.admit([lim for lim, _, _ in requests])
+        except OUTAGE_ERRORS as exc:
+            log.warning("rate limiter unavailable, counting %s unchecked: %s", request_id, exc)
+            return {}
+        headers = _headers(result, requests, [])
+        if not result.allowed:
+            raise _refusal(result, requests, [], [], headers)
+        return headers
+
+    async def admit(
+        self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> Ticket:
+        """Tokens, concurrency and the budget hold of a request `count` let through.
+        `model_id`: whose token prices apply; None when tokens are not billed (dedicated)."""
+        q = caller.quota
+        tag = f"{{{caller.org_id}}}"  # one Redis Cluster hash slot for all of an org's keys
+        cost = prompt_tokens + max_tokens
+        tokens: list[tuple[Limit, Rate, str]] = []
         for who, rate, key in (("key", q.key_tokens, f"k:{caller.key_id}"), ("org", q.org_tokens, "o")):
             if rate is not None:
                 if cost > rate.burst:
@@ -150,7 +174,9 @@ class Admitter:
                 units(q.budget) if q.hard_budget else None,
                 HOLD_TTL,
             )
-        limits = [lim for lim, _, _ in requests + tokens]
+        limits = [lim for lim, _, _ in tokens]
+        if not (limits or slots or hold):
+            return Ticket(caller.org_id, request_id, cost, [], [], rates, None)
         try:
             result = await self.limiter.admit(limits, slots, hold)
             if not result.seeded and hold is not None:
@@ -158,18 +184,16 @@ class Admitter:
                     spent = await spend_since(session, caller.org_id, start)
                 await self.limiter.seed(hold.key, units(spent), ttl)
                 result = await self.limiter.admit(limits, slots, hold)
-        except APIError:
-            raise
-        except Exception as exc:
+        except OUTAGE_ERRORS as exc:
             if q.hard_budget:
                 raise APIError(
                     503, "Cannot check the budget right now; please retry.", code="limiter_unavailable"
                 ) from exc
             log.warning("rate limiter unavailable, admitting %s unchecked: %s", request_id, exc)
             return Ticket(caller.org_id, request_id, 0, [], [], rates, None)
-        headers = _headers(result, requests, tokens)
+        headers = _headers(result, [], tokens)
         if not result.allowed:
-            raise _refusal(result, requests, tokens, slots, headers)
+            raise _refusal(result, [], tokens, slots, headers)
         soft = units(q.budget) if q.budget is not None and not q.hard_budget else None
         return Ticket(
             caller.org_id,

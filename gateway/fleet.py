@@ -33,7 +33,7 @@ import msgspec
 
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerState, WorkerTable
-from tokenmill.protocol import DEMAND, KV, WORKERS, Demand, KvEvents, WorkerDeparture, WorkerEvent
+from tokenmill.protocol import DEMAND, KV, Demand, KvEvents, WorkerDeparture, WorkerEvent
 from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.gateway.fleet")
@@ -75,10 +75,9 @@ class FleetView(WorkerTable, Background):
         self._changed = asyncio.Event()
 
     async def run(self) -> None:
-        workers = msgspec.json.Decoder(WorkerEvent)
         kv = msgspec.json.Decoder(KvEvents)
         await asyncio.gather(
-            tail(self.bus, WORKERS, lambda raw: self.apply(workers.decode(raw)), name=self.name),
+            self.follow(self.bus, name=self.name),  # WORKERS, judged on evidence (tokenmill.fleet)
             tail(self.bus, KV, lambda raw: self.apply_kv(kv.decode(raw)), name=self.name),
         )
 

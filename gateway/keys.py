@@ -7,6 +7,12 @@ second. The TTL bounds staleness if an event is ever missed.
 
 The secret itself is never cached: each request's key is hashed and compared (in
 constant time) with the stored hash, exactly as without the cache.
+
+Memory is bounded whatever callers send: known keys in an LRU of `TOKENMILL_KEY_CACHE_SIZE`
+records, unknown ones (so a repeated bad key skips the database) in a separate, smaller LRU
+of `TOKENMILL_KEY_CACHE_MISSES` prefixes for `miss_ttl` seconds, so a flood of made-up keys
+can neither grow the process nor push real keys out. (Failed authentications are counted
+per client address by the controller, before a key is looked at: `tokenmill.clients`.)
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -105,6 +113,9 @@ class _Entry:
     expires: float  # monotonic
 
 
+_NO_KEY = _Entry(None, None, None, 0.0)
+
+
 class KeyCache(Background):
     name = "key-cache"
 
@@ -125,7 +136,10 @@ class KeyCache(Background):
         self.sessionmaker = sessionmaker
         self.ttl = ttl
         self.miss_ttl = miss_ttl
-        self._entries: dict[str, _Entry] = {}
+        self.size = settings.key_cache_size
+        self.miss_size = settings.key_cache_misses
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._misses: OrderedDict[str, float] = OrderedDict()  # prefix -> expiry (monotonic)
         self._loading: dict[str, asyncio.Future[_Entry]] = {}
         self._generation = 0  # bumped by every change event
         self._changed = msgspec.json.Decoder(KeysChanged)
@@ -137,6 +151,7 @@ class KeyCache(Background):
         self._generation += 1
         if ev.prefix is not None:
             self._entries.pop(ev.prefix, None)
+            self._misses.pop(ev.prefix, None)  # a key just created is no longer unknown
         if ev.org_id is not None:
             for prefix in [p for p, e in self._entries.items() if e.org and e.org.id == ev.org_id]:
                 del self._entries[prefix]
@@ -158,10 +173,19 @@ class KeyCache(Background):
             raise APIError(403, "This organisation is suspended.", code="organization_suspended")
         return entry.caller
 
+    def held(self) -> tuple[int, int]:
+        """(known keys, remembered unknown keys) in memory now."""
+        return len(self._entries), len(self._misses)
+
     async def _entry(self, prefix: str) -> _Entry:
+        now = time.monotonic()
         entry = self._entries.get(prefix)
-        if entry is not None and entry.expires > time.monotonic():
+        if entry is not None and entry.expires > now:
+            self._entries.move_to_end(prefix)
             return entry
+        missed = self._misses.get(prefix)
+        if missed is not None and missed > now:
+            return _NO_KEY
         # Concurrent first requests of one key share one database read.
         fut = self._loading.get(prefix)
         if fut is None:
@@ -176,20 +200,30 @@ class KeyCache(Background):
             found = await find_key(session, prefix)
         now = time.monotonic()
         if found is None:
-            entry = _Entry(None, None, None, now + self.miss_ttl)
-        else:
-            key, org, plan = found
-            caller = Caller(
-                key.id,
-                org.id,
-                key.role,
-                tuple(key.scopes) if key.scopes else None,
-                org.cache_salt,
-                quota(key, plan, self.settings),
-            )
-            entry = _Entry(key, org, caller, now + self.ttl)
+            if generation == self._generation:
+                _remember(self._misses, prefix, now + self.miss_ttl, self.miss_size)
+            return _NO_KEY
+        key, org, plan = found
+        caller = Caller(
+            key.id,
+            org.id,
+            key.role,
+            tuple(key.scopes) if key.scopes else None,
+            org.cache_salt,
+            quota(key, plan, self.settings),
+        )
+        entry = _Entry(key, org, caller, now + self.ttl)
         # A change event that arrived while we read may describe a newer row than ours:
         # use what we read for this request only.
         if generation == self._generation:
-            self._entries[prefix] = entry
+            self._misses.pop(prefix, None)
+            _remember(self._entries, prefix, entry, self.size)
         return entry
+
+
+def _remember(lru: OrderedDict[str, Any], key: str, value: Any, size: int) -> None:
+    """Put `key` last (most recent) and drop the least recently used beyond `size`."""
+    lru[key] = value
+    lru.move_to_end(key)
+    while len(lru) > size:
+        lru.popitem(last=False)

@@ -1,4 +1,10 @@
-"""The request path: who is calling, what serves the model, tokens in, deltas out, usage."""
+"""The request path: who is calling, what serves the model, tokens in, deltas out, usage.
+
+A request is first admitted (`admit_*`: its request count, the model, the prompt prepared
+off the event loop when large, then its tokens, concurrency and budget hold), then served
+(`stream` / `embed`: routed, retried before the first token, settled and metered once
+however it ends). Nothing expensive happens before the request is counted.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +21,16 @@ from control_plane.services import CatalogService
 from gateway.admission import Admitter, Ticket
 from gateway.fleet import FleetView, WorkerState
 from gateway.keys import Caller, KeyCache
+from gateway.prep import Prep
 from gateway.upstream import Upstream, UpstreamError
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
 from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.modelstore import resolve_model
-from tokenmill.openai_shapes import Prompt, model_not_found
+from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, embedding_inputs, model_not_found
+from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenmill.protocol import USAGE, EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, UsageRecord
+from tokenmill.request_limits import RequestLimits, check_chat, check_completion, check_embedding
 from tokenmill.settings import Settings
 from tokenmill.storage import open_storage
 from tokenmill.tokenization import Tokenizer
@@ -54,6 +63,23 @@ class Target:
         return None if self.dedicated else self.model_id
 
 
+@dataclass(slots=True)
+class Admitted:
+    """A request let through admission, with everything needed to serve it."""
+
+    request_id: str
+    caller: Caller
+    target: Target
+    ticket: Ticket
+    prompt: Prompt | None = None  # generation
+    inputs: list[list[int]] | None = None  # embeddings
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every answer to it carries: `x-ratelimit-*` (and `x-request-id`)."""
+        return {**self.ticket.headers, "x-request-id": self.request_id}
+
+
 class Gateway:
     def __init__(
         self,
@@ -65,6 +91,7 @@ class Gateway:
         admitter: Admitter,
         publisher: Publisher,
         upstream: Upstream,
+        prep: Prep,
     ) -> None:
         self.settings = settings
         self.sessionmaker = sessionmaker
@@ -73,8 +100,11 @@ class Gateway:
         self.admitter = admitter
         self.publisher = publisher
         self.upstream = upstream
+        self.prep = prep
+        self.limits = RequestLimits.from_settings(settings)
+        self._settling: set[asyncio.Future[None]] = set()  # held so they are not collected mid-way
         self._internal = {
-            "authorization": f"Bearer {settings.internal_token}",
+            "authorization": f"Bearer {settings.worker_credential}",
             "content-type": "application/json",
         }
         self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
@@ -163,49 +193,112 @@ class Gateway:
         storage = lambda: open_storage(self.settings)  # noqa: E731 - opened only for `store:`
         return Tokenizer.from_dir(resolve_model(source, self.settings.cache_dir, storage=storage))
 
+    # --- admission -----------------------------------------------------------------------
+
+    async def admit_generation(
+        self, caller: Caller, request_id: str, body: ChatCompletionRequest | CompletionRequest
+    ) -> Admitted:
+        """Count the request, then prepare its prompt and admit its tokens; raises APIError
+        (with the `x-ratelimit-*` headers known so far) when it may not run."""
+        headers = await self.admitter.count(caller, request_id)
+        try:
+            target = await self.resolve(caller, body.model)
+            chat = isinstance(body, ChatCompletionRequest)
+            size = check_chat(body, self.limits) if chat else check_completion(body, self.limits)  # type: ignore[arg-type]
+            tok = await self.tokenizer(target)
+            build = chat_prompt if chat else completion_prompt
+            prompt = await self.prep.run(
+                caller.org_id,
+                size,
+                build,  # type: ignore[arg-type]
+                body,
+                tok,
+                context_length=target.context_length,
+                defaults=target.defaults,
+            )
+            ticket = await self._admit(
+                caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
+            )
+        except APIError as exc:
+            exc.headers = {**headers, **exc.headers}
+            raise
+        ticket.headers = {**headers, **ticket.headers}
+        return Admitted(request_id, caller, target, ticket, prompt=prompt)
+
+    async def admit_embedding(self, caller: Caller, request_id: str, body: EmbeddingRequest) -> Admitted:
+        """As `admit_generation`, for embeddings."""
+        headers = await self.admitter.count(caller, request_id)
+        try:
+            target = await self.resolve(caller, body.model, kind="embed")
+            size = check_embedding(body, self.limits)
+            tok = await self.tokenizer(target)
+            inputs = await self.prep.run(
+                caller.org_id, size, embedding_inputs, body, tok, context_length=target.context_length
+            )
+            tokens = sum(len(i) for i in inputs)
+            ticket = await self._admit(caller, target.priced_model, request_id, tokens, 0)
+        except APIError as exc:
+            exc.headers = {**headers, **exc.headers}
+            raise
+        ticket.headers = {**headers, **ticket.headers}
+        return Admitted(request_id, caller, target, ticket, inputs=inputs)
+
+    async def _admit(
+        self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> Ticket:
+        """`Admitter.admit`, given back if the caller is cancelled while it runs: a client
+        leaving at that instant must not keep a concurrency slot and a budget hold until they
+        expire on their own."""
+        task = asyncio.ensure_future(
+            self.admitter.admit(caller, model_id, request_id, prompt_tokens, max_tokens)
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, task: asyncio.Future[Ticket]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            settle = asyncio.ensure_future(self.admitter.settle(task.result(), 0, 0, 0))
+            self._settling.add(settle)
+            settle.add_done_callback(self._settling.discard)
+
     # --- generation ----------------------------------------------------------------------
 
-    async def generate(
-        self,
-        caller: Caller,
-        target: Target,
-        request_id: str,
-        prompt: Prompt,
-        headers: dict[str, str] | None = None,
-    ) -> AsyncGenerator[GenerateDelta, None]:
+    async def stream(self, admitted: Admitted) -> AsyncGenerator[GenerateDelta, None]:
         """Deltas from a worker; retried on another worker until the first token arrives.
 
-        Admission (limits, budget) comes first and its `x-ratelimit-*` headers go into
-        `headers`. Once admitted, exactly one usage event is published however this ends
-        (finish, error, client gone), and the limits and budget hold are settled.
+        Exactly one usage event is published however this ends (finish, error, client
+        gone), and the limits and budget hold are settled. Whoever admitted the request must
+        start this generator at once (`respond` does): its `finally` is what settles.
         """
-        ticket = await self.admitter.admit(
-            caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
-        )
-        if headers is not None:
-            headers.update(ticket.headers)
-        body = msgspec.json.encode(
-            GenerateRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt.token_ids,
-                sampling=prompt.sampling,
-                adapter=target.adapter_id,
-                cache_salt=caller.cache_salt,
-                fairness_key=caller.org_id,
-                adapter_key=target.adapter_key,
-            )
-        )
-        # The prompt's chained block hashes, salted per organisation (and adapter) exactly as
-        # the engine salts them, so the router can find the worker that holds its prefix.
-        extra = extra_keys(caller.cache_salt, target.adapter_id)
-        hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
+        caller, target, prompt = admitted.caller, admitted.target, admitted.prompt
+        request_id = admitted.request_id
+        assert prompt is not None
         started = time.monotonic()
+        deadline = started + self.settings.max_stream_seconds
         ttft: float | None = None
         # Only what a worker reports is billed: a request no worker took costs nothing.
         last = GenerateDelta()
         status = "error"
-        tried: set[str] = set()
         try:
+            body = msgspec.json.encode(
+                GenerateRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt.token_ids,
+                    sampling=prompt.sampling,
+                    adapter=target.adapter_id,
+                    cache_salt=caller.cache_salt,
+                    fairness_key=caller.org_id,
+                    adapter_key=target.adapter_key,
+                )
+            )
+            # The prompt's chained block hashes, salted per organisation (and adapter) exactly
+            # as the engine salts them, so the router can find the worker that holds its prefix.
+            extra = extra_keys(caller.cache_salt, target.adapter_id)
+            hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
+            tried: set[str] = set()
             while True:
                 worker = await self._worker(target, request_id, tried, hashes)
                 tried.add(worker.worker_id)
@@ -214,6 +307,14 @@ class Gateway:
                     async for delta in self._stream(worker, body):
                         if ttft is None:
                             ttft = time.monotonic() - started
+                        elif time.monotonic() > deadline:
+                            # A rollout waits this long for streams in flight: none may outlast it.
+                            raise APIError(
+                                504,
+                                f"The response ran longer than the {self.settings.max_stream_seconds:g} "
+                                "seconds a request may last; ask for fewer tokens.",
+                                code="stream_too_long",
+                            )
                         last = delta
                         yield delta
                     status = "ok" if last.finish_reason not in ("error", "abort") else last.finish_reason
@@ -222,11 +323,7 @@ class Gateway:
                     self.fleet.forget(worker.worker_id)
                     if ttft is not None or len(tried) >= MAX_ATTEMPTS:
                         log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
-                        raise APIError(
-                            503,
-                            "The model worker failed while generating; please retry.",
-                            code="worker_error",
-                        ) from exc
+                        raise _worker_failure(exc, "The model worker") from exc
                     log.info("worker %s failed before the first token; retrying elsewhere", worker.worker_id)
                 finally:
                     worker.inflight -= 1
@@ -234,28 +331,19 @@ class Gateway:
             status = "cancelled"
             raise
         finally:
-            await self._finish(ticket, caller, target, last, status, ttft, time.monotonic() - started)
+            await self._finish(admitted, last, status, ttft, time.monotonic() - started)
 
-    async def embed(
-        self,
-        caller: Caller,
-        target: Target,
-        request_id: str,
-        inputs: list[list[int]],
-        headers: dict[str, str] | None = None,
-    ) -> EmbedResponse:
-        """Embeddings of tokenized inputs from a worker of the embed deployment; admitted,
-        retried on another worker when one fails, metered once like a generation."""
-        tokens = sum(len(i) for i in inputs)
-        ticket = await self.admitter.admit(caller, target.priced_model, request_id, tokens, 0)
-        if headers is not None:
-            headers.update(ticket.headers)
-        body = msgspec.json.encode(EmbedRequest(request_id=request_id, inputs=inputs))
+    async def embed(self, admitted: Admitted) -> EmbedResponse:
+        """Embeddings of the admitted inputs from a worker of the embed deployment, retried on
+        another worker when one fails, metered once like a generation."""
+        target, request_id, inputs = admitted.target, admitted.request_id, admitted.inputs
+        assert inputs is not None
         started = time.monotonic()
         done = GenerateDelta()
         status = "error"
-        tried: set[str] = set()
         try:
+            body = msgspec.json.encode(EmbedRequest(request_id=request_id, inputs=inputs))
+            tried: set[str] = set()
             while True:
                 worker = await self._worker(target, request_id, tried, [])
                 tried.add(worker.worker_id)
@@ -275,9 +363,7 @@ class Gateway:
                 except (UpstreamError, _WorkerFailed) as exc:
                     self.fleet.forget(worker.worker_id)
                     if len(tried) >= MAX_ATTEMPTS:
-                        raise APIError(
-                            503, "The embedding worker failed; please retry.", code="worker_error"
-                        ) from exc
+                        raise _worker_failure(exc, "The embedding worker") from exc
                     log.info("worker %s failed on embeddings; retrying elsewhere", worker.worker_id)
                 finally:
                     worker.inflight -= 1
@@ -285,7 +371,7 @@ class Gateway:
             status = "cancelled"
             raise
         finally:
-            await self._finish(ticket, caller, target, done, status, None, time.monotonic() - started)
+            await self._finish(admitted, done, status, None, time.monotonic() - started)
 
     async def _worker(
         self, target: Target, request_id: str, tried: set[str], hashes: list[str]
@@ -319,15 +405,9 @@ class Gateway:
                 yield self._delta.decode(line)
 
     async def _finish(
-        self,
-        ticket: Ticket,
-        caller: Caller,
-        target: Target,
-        last: GenerateDelta,
-        status: str,
-        ttft: float | None,
-        duration: float,
+        self, admitted: Admitted, last: GenerateDelta, status: str, ttft: float | None, duration: float
     ) -> None:
+        ticket, caller, target = admitted.ticket, admitted.caller, admitted.target
         record = UsageRecord(
             request_id=ticket.request_id,
             org_id=caller.org_id,
@@ -357,3 +437,10 @@ class Gateway:
 
 class _WorkerFailed(Exception):
     pass
+
+
+def _worker_failure(exc: Exception, who: str) -> APIError:
+    """503 for a worker that failed, 504 for one that stopped answering (its timeouts)."""
+    if isinstance(exc, UpstreamError) and exc.timeout:
+        return APIError(504, f"{who} did not answer in time; please retry.", code="worker_timeout")
+    return APIError(503, f"{who} failed; please retry.", code="worker_error")

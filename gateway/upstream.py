@@ -18,6 +18,14 @@ Semantics the gateway relies on:
 - A request that fails on a reused idle connection before any byte of a response arrived
   is sent once more on a new connection: the worker closed the idle connection as the
   request went out (keep-alive race), so it never saw the request.
+- Every wait is bounded: connecting (`connect_timeout`), the response headers
+  (`first_byte_timeout`) and each silence inside the body (`idle_timeout`; workers send an
+  empty keep-alive line every few seconds while a request produces nothing, and `lines()`
+  skips it). Past one, the connection is closed and `UpstreamError` raised with
+  `timeout=True`; a timed-out request is never sent again (the worker may be running it).
+  Only time during which this process could read counts: a timer that fires late because
+  our own event loop was stalled, or while reading is paused because our caller is slow,
+  gives the worker a fresh window instead of blaming it.
 """
 
 from __future__ import annotations
@@ -38,10 +46,19 @@ import httptools
 IDLE_SECONDS = 4.0
 MAX_IDLE_PER_ADDRESS = 256
 _HIGH_WATER = 1 << 20  # bytes of unread body at which reading pauses
+# A timeout check running this much later than due (at most half the timeout) means our own
+# event loop was stalled meanwhile: what the worker sent may be unread in the socket.
+_LATE = 1.0
 
 
 class UpstreamError(Exception):
-    """The worker could not be reached, or the connection failed before the response ended."""
+    """The worker could not be reached, or the connection failed before the response ended.
+
+    `timeout` is True when it was a timeout (no connection, headers or body data in time)."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
 
 
 @dataclass(slots=True)
@@ -69,6 +86,14 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
         self.idle_since = 0.0
+        # The running timeout: the worker must show progress (`activity`) every `limit`
+        # seconds; one timer per phase, re-armed lazily rather than per wait.
+        self.loop = asyncio.get_running_loop()
+        self.limit: float | None = None
+        self.idle_limit: float | None = None
+        self.activity = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.due = 0.0
 
     # --- asyncio.Protocol ---
 
@@ -103,9 +128,11 @@ class _Connection(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
+        self._arm(self.idle_limit)  # from the first byte's deadline to the body's idle one
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.activity = self.loop.time()
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -115,7 +142,45 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self._disarm()
         self._wake()
+
+    # --- timeouts ---
+
+    def _arm(self, limit: float | None) -> None:
+        self._disarm()
+        self.limit = limit
+        if limit is not None:
+            self.activity = self.loop.time()
+            self._schedule(self.activity + limit)
+
+    def _schedule(self, due: float) -> None:
+        self.due = due
+        self.timer = self.loop.call_at(due, self._check)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _check(self) -> None:
+        self.timer = None
+        limit = self.limit
+        if limit is None or self.complete or self.error is not None:
+            return
+        now = self.loop.time()
+        if self.paused or now - self.due > min(_LATE, limit / 2):
+            # Not the worker's silence: we stopped reading (our caller is slow) or our own
+            # loop was stalled past the deadline. A fresh window from now.
+            self.activity = now
+        deadline = self.activity + limit
+        if now < deadline:
+            self._schedule(deadline)
+            return
+        what = "sent nothing" if self.headers_done else "did not answer"
+        self._fail(UpstreamError(f"the worker {what} for {limit:g} s", timeout=True))
+        if self.transport is not None:
+            self.transport.close()
 
     # --- internals ---
 
@@ -126,6 +191,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
+        self._disarm()
         self._wake()
 
     async def wait(self) -> None:
@@ -147,11 +213,13 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    def start(self, request: bytes) -> None:
+    def start(self, request: bytes, first_byte: float | None, idle: float | None) -> None:
         self.status, self.headers_done, self.complete, self.received = 0, False, False, False
         self.chunks.clear()
         self.buffered = 0
         assert self.transport is not None
+        self.idle_limit = idle
+        self._arm(first_byte)
         self.transport.write(request)
 
     @property
@@ -164,6 +232,7 @@ class _Connection(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 
@@ -220,8 +289,17 @@ class Response:
 class Upstream:
     """Keep-alive connections to workers, per address (`http://host:port`)."""
 
-    def __init__(self, *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 5.0,
+        first_byte_timeout: float | None = 60.0,
+        idle_timeout: float | None = 30.0,
+    ) -> None:
+        """Timeouts in seconds (None: wait for ever); see the module's docstring."""
         self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
         self._idle: dict[str, list[_Connection]] = {}
         self._origins: dict[str, _Origin] = {}
         self._closed = False
@@ -243,7 +321,12 @@ class Upstream:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(_Connection, origin.host, origin.port, ssl=origin.ssl)
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise UpstreamError(
+                f"cannot connect to {origin.host}:{origin.port} within {self.connect_timeout:g} s",
+                timeout=True,
+            ) from exc
+        except OSError as exc:
             raise UpstreamError(f"cannot connect to {origin.host}:{origin.port}: {exc!r}") from exc
         return conn
 
@@ -285,13 +368,13 @@ class Upstream:
             if conn is None:
                 conn = await self._connect(origin)
             try:
-                conn.start(request)
+                conn.start(request, self.first_byte_timeout, self.idle_timeout)
                 while not conn.headers_done:
                     await conn.wait()
                 break
-            except UpstreamError:
+            except UpstreamError as exc:
                 conn.close()
-                if not (reused and not conn.received):
+                if exc.timeout or not (reused and not conn.received):
                     raise
                 conn, reused = None, False  # the keep-alive race: once more, on a new connection
             except BaseException:

@@ -4,7 +4,8 @@
 # The tests start throwaway servers themselves (tests/conftest.py); this only checks that the
 # server binaries exist, unless TEST_DATABASE_URL / TEST_REDIS_URL point at servers to use.
 # The dashboard's browser tests (tests/dashboard) drive Debian's chromium through Playwright
-# (never `playwright install`, whose downloads need the internet).
+# (never `playwright install`, whose downloads need the internet). tests/bench runs the
+# gateway benchmark with wrk, its load generator.
 # As root on Debian it installs what is missing; otherwise it says what to install and fails.
 set -euo pipefail
 
@@ -23,6 +24,9 @@ if [[ -z "${TEST_REDIS_URL:-}" ]] && ! command -v redis-server >/dev/null 2>&1; 
 fi
 if [[ ! -x "${TOKENMILL_CHROMIUM:-/usr/bin/chromium}" ]]; then
     missing+=(chromium)
+fi
+if ! command -v wrk >/dev/null 2>&1; then
+    missing+=(wrk)
 fi
 
 if ((${#missing[@]} == 0)); then

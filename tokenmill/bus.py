@@ -8,7 +8,8 @@ Two implementations behind one interface:
 
 Entry ids look like Redis's `<ms>-<seq>` in both, so a reader can keep "the last id I saw"
 and resume from it whichever backend runs. Streams are capped (approximately, like
-`XADD MAXLEN ~`) so a stream nobody reads cannot grow without bound.
+`XADD MAXLEN ~`) so a stream nobody reads cannot grow without bound; on Redis, the usage
+stream instead is trimmed only behind the consumer groups reading it (see `RedisBus`).
 
 Two ways to read:
 
@@ -18,7 +19,8 @@ Two ways to read:
   consumer of the group and stays pending until acknowledged (at-least-once), e.g.
   billing's usage consumer. A consumer's un-acknowledged entries are delivered again the
   first time a new bus instance reads for that consumer name (i.e. after a restart), or
-  after `replay_pending`.
+  after `replay_pending`; on Redis, those of a consumer that died (whose name never comes
+  back) are claimed by another consumer of the group once idle for `claim_idle` seconds.
 """
 
 from __future__ import annotations
@@ -46,14 +48,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAXLEN = 100_000
-# Usage events must outlast a consumer outage (each is money): ~20 minutes at 1,500 events/s.
-# Trimming by the ledger consumer's progress (XTRIM MINID) would bound it by need instead.
+# Seconds a Redis client waits to connect, and for each reply beyond a blocking read's own
+# wait (TOKENMILL_REDIS_TIMEOUT_SECONDS): a Redis that accepts and never answers (stopped,
+# hung) then fails calls with an outage error (tokenmill.spool.OUTAGE_ERRORS) instead of
+# hanging them.
+REDIS_TIMEOUT = 2.0
+# The longest a `RedisBus` read blocks in Redis (XREAD/XREADGROUP BLOCK); callers loop.
+MAX_BLOCK = 4.0
+# Usage events must outlast a consumer outage (each is money): ~20 minutes at 1,500 events/s
+# in memory (`MemoryBus`: its consumer runs in the same process). Redis: see below.
 STREAM_MAXLEN: dict[str, int | None] = {USAGE: 2_000_000}
+# On Redis the usage stream is never capped when published, since a cap drops what billing has
+# not read yet, however long it was down: `RedisBus.read_group` trims every uncapped stream it
+# reads behind all the groups reading it (XTRIM MINID), so it is bounded by need. Fan-out
+# streams (workers, KV) stay capped: gateways tail them and nothing waits for them.
+REDIS_STREAM_MAXLEN: dict[str, int | None] = {USAGE: None}
+# Seconds a group's pending entry must sit idle (since its last delivery) before another
+# consumer claims it (XAUTOCLAIM): its consumer is presumed dead, and a restarted one has a new
+# name (hostname-pid; pods are renamed on every restart), so nobody else would ever read it.
+# A live consumer never leaves entries idle that long: it acks each batch once handled, and a
+# retry re-reads its pending entries (which resets their idle time) about every second. Only a
+# single slow attempt ages them, and the longest bounded wait inside one (connecting to
+# PostgreSQL, asyncpg's 60 s) is half this. Robbing a live consumer would only cost a
+# redelivery (inserts are idempotent); waiting longer only delays the ledger after a crash.
+CLAIM_IDLE = 120.0
+# Seconds between a consumer's trims of an uncapped stream behind its groups.
+TRIM_INTERVAL = 10.0
+# XTRIM MINID ~ evicts at most this many entries a call (Redis's own default LIMIT); a large
+# backlog is trimmed in several calls rather than one that blocks Redis.
+_TRIM_CHUNK = 10_000
 
 
 def stream_maxlen_of(overrides: Mapping[str, int | None] | None) -> dict[str, int | None]:
-    """Per-stream caps: the defaults above, then `overrides`."""
+    """Per-stream caps (`MemoryBus`): the defaults above, then `overrides`."""
     return {**STREAM_MAXLEN, **(overrides or {})}
+
+
+def redis_stream_maxlen_of(overrides: Mapping[str, int | None] | None) -> dict[str, int | None]:
+    """Per-stream caps on Redis (`RedisBus`, `RespPublisher`): the usage stream uncapped
+    (trimmed behind its groups instead), then `overrides`."""
+    return {**STREAM_MAXLEN, **REDIS_STREAM_MAXLEN, **(overrides or {})}
 
 
 # Field holding the JSON payload in a Redis stream entry.
@@ -139,7 +173,8 @@ class EventBus(Publisher):
         """Entries for `consumer` of `group` (created on first use, from the stream's start).
 
         First this consumer's pending (delivered, not acknowledged) entries, the first time
-        this bus instance reads for it or after `replay_pending`; then new entries, each
+        this bus instance reads for it or after `replay_pending`; then (Redis) entries other
+        consumers left pending past the claim threshold (they died); then new entries, each
         delivered to exactly one consumer of the group. Pending entries whose data was
         trimmed away meanwhile are acknowledged and skipped (nothing left to deliver).
         """
@@ -358,15 +393,36 @@ def _entries(resp: Any) -> list[Entry]:
     return out
 
 
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _is_busygroup(exc: Exception) -> bool:
     return str(exc).startswith("BUSYGROUP")
+
+
+def redis_client(url: str, *, timeout: float = REDIS_TIMEOUT, block: float = 0.0) -> Redis:
+    """A redis-py client whose every call is bounded: connecting within `timeout` seconds,
+    each reply within `timeout` beyond the longest blocking read it makes (`block`). Past
+    either, redis-py raises its `TimeoutError` (a `RedisError`, so an outage) and drops the
+    connection. redis-py itself waits for ever by default: make redis-py clients here."""
+    from redis.asyncio import Redis
+
+    return Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=block + timeout)
 
 
 class RedisBus(EventBus):
     """Redis Streams: `XADD MAXLEN ~`, `XREAD BLOCK`, consumer groups with `XREADGROUP`.
 
-    Blocking reads are capped at `max_block` seconds so they always finish before the
-    client's socket timeout (redis-py defaults to 5 s); callers loop anyway.
+    Blocking reads are capped at `max_block` seconds; callers loop anyway. They may go
+    through a client of their own (`blocking`) whose socket timeout covers that wait, so
+    that every other call keeps the short one (`from_url` makes both).
+
+    Group reads also keep the group whole (Redis >= 6.2): entries another consumer has held
+    pending for `claim_idle` seconds are claimed (XAUTOCLAIM, scanned every `claim_idle / 4`)
+    and returned like this consumer's own pending ones; and a stream published without a cap
+    (the usage stream, `REDIS_STREAM_MAXLEN`) is trimmed every `trim_interval` seconds up to
+    the oldest entry some group still has pending or has not been delivered yet.
     """
 
     def __init__(
@@ -376,21 +432,37 @@ class RedisBus(EventBus):
         maxlen: int = DEFAULT_MAXLEN,
         stream_maxlen: Mapping[str, int | None] | None = None,
         owns_client: bool = False,
-        max_block: float = 4.0,
+        max_block: float = MAX_BLOCK,
+        blocking: Redis | None = None,
+        claim_idle: float = CLAIM_IDLE,
+        trim_interval: float = TRIM_INTERVAL,
     ):
         self._redis = redis
+        self._blocking = blocking if blocking is not None else redis
         self.maxlen = maxlen
-        self.stream_maxlen = stream_maxlen_of(stream_maxlen)
+        self.stream_maxlen = redis_stream_maxlen_of(stream_maxlen)
         self._owns_client = owns_client
         self._max_block = max_block
+        self.claim_idle = claim_idle
+        self.trim_interval = trim_interval
         self._groups: set[tuple[str, str]] = set()
         self._replay: dict[tuple[str, str, str], str | None] = {}
+        # (stream, group, consumer) -> XAUTOCLAIM cursor of a scan under way, and when
+        # (monotonic) the next scan is due.
+        self._claim_cursor: dict[tuple[str, str, str], str] = {}
+        self._claim_due: dict[tuple[str, str, str], float] = {}
+        self._trim_due: dict[str, float] = {}  # stream -> when its next trim is due
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> RedisBus:
-        from redis.asyncio import Redis
-
-        return cls(Redis.from_url(url), owns_client=True, **kwargs)
+    def from_url(cls, url: str, *, timeout: float = REDIS_TIMEOUT, **kwargs: Any) -> RedisBus:
+        """A bus on clients of its own (see `redis_client`; `timeout` in seconds)."""
+        block = kwargs.get("max_block", MAX_BLOCK)
+        return cls(
+            redis_client(url, timeout=timeout),
+            blocking=redis_client(url, timeout=timeout, block=block),
+            owns_client=True,
+            **kwargs,
+        )
 
     @property
     def redis(self) -> Redis:
@@ -409,7 +481,9 @@ class RedisBus(EventBus):
     async def read(
         self, stream: str, after: str = "$", *, block: float = 1.0, count: int = 100
     ) -> list[Entry]:
-        resp = await self._redis.xread({stream: after}, count=count, block=self._block_ms(block))
+        block_ms = self._block_ms(block)
+        client = self._redis if block_ms is None else self._blocking
+        resp = await client.xread({stream: after}, count=count, block=block_ms)
         return _entries(resp)
 
     async def last_id(self, stream: str) -> str:
@@ -451,6 +525,7 @@ class RedisBus(EventBus):
         # The stream was deleted under us (e.g. a Redis restarted without persistence):
         # create the group again rather than failing until this process restarts.
         self._groups.discard((stream, group))
+        self._claim_cursor.pop((stream, group, consumer), None)
         await self._ensure_group(stream, group)
         return await self._read_group(stream, group, consumer, block=block, count=count)
 
@@ -475,10 +550,102 @@ class RedisBus(EventBus):
                 await self._redis.xack(stream, group, *gone)
             if batch:
                 return batch
-        resp = await self._redis.xreadgroup(
-            group, consumer, {stream: ">"}, count=count, block=self._block_ms(block)
-        )
+        claimed = await self._maintain(stream, group, consumer, count)
+        if claimed:
+            return claimed
+        block_ms = self._block_ms(block)
+        client = self._redis if block_ms is None else self._blocking
+        resp = await client.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
         return _entries(resp)
+
+    async def _maintain(self, stream: str, group: str, consumer: str, count: int) -> list[Entry]:
+        """Claim what dead consumers left pending, and trim the stream behind its groups,
+        when due. A failure here (other than a lost group, which `read_group` repairs) is
+        logged and skipped: it must never stop the consumer from reading new entries."""
+        from redis.exceptions import ResponseError
+
+        claimed: list[Entry] = []
+        try:
+            claimed = await self._claim(stream, group, consumer, count)
+            if self.stream_maxlen.get(stream, self.maxlen) is None:
+                await self._trim_behind_groups(stream)
+        except ResponseError as exc:
+            if str(exc).startswith("NOGROUP"):
+                raise
+            # e.g. a Redis older than 6.2 (no XAUTOCLAIM, no MINID): tried again when next due
+            log.warning("bus: maintaining %s/%s failed: %s", stream, group, exc)
+        return claimed
+
+    async def _claim(self, stream: str, group: str, consumer: str, count: int) -> list[Entry]:
+        """Entries of the group pending for longer than `claim_idle`, now this consumer's.
+
+        One scan of the group's pending entries every `claim_idle / 4` seconds, continued
+        over successive calls while it finds some (each call returns at most `count`).
+        """
+        key = (stream, group, consumer)
+        cursor = self._claim_cursor.get(key)
+        if cursor is None:  # no scan under way: start one if due
+            if time.monotonic() < self._claim_due.get(key, 0.0):
+                return []
+            cursor = "0-0"
+        min_idle_ms = max(1, int(self.claim_idle * 1000))
+        while True:
+            resp = await self._redis.xautoclaim(
+                stream, group, consumer, min_idle_ms, start_id=cursor, count=count
+            )
+            cursor = _str(resp[0])
+            entries = _entries([[stream, resp[1]]])
+            # Redis 7 drops entries deleted (trimmed) meanwhile from the pending list itself and
+            # names them apart; 6.2 returns them without data, still pending.
+            deleted = len(resp[2]) if len(resp) > 2 else 0
+            gone = [e[0] for e in entries if not e[1]]
+            if gone:
+                await self._redis.xack(stream, group, *gone)
+            if deleted or gone:
+                log.warning(
+                    "bus: %d pending entries of %s/%s were trimmed", deleted + len(gone), stream, group
+                )
+            batch = [e for e in entries if e[1]]
+            if cursor == "0-0":  # scan complete: the next one when due
+                self._claim_cursor.pop(key, None)
+                self._claim_due[key] = time.monotonic() + self.claim_idle / 4
+            else:
+                self._claim_cursor[key] = cursor
+            if batch:
+                log.warning(
+                    "bus: %s claimed %d entries of %s/%s left pending by another consumer",
+                    consumer, len(batch), stream, group,
+                )  # fmt: skip
+                return batch
+            if cursor == "0-0":
+                return []
+
+    async def _trim_behind_groups(self, stream: str) -> None:
+        """Drop the entries every group reading `stream` is done with, when due.
+
+        The floor is, over all groups, the oldest of: the smallest pending id, and the last
+        id delivered (everything after it is still to be delivered). Both only move forward
+        (entries become pending only when delivered past the last id, and claims keep ids),
+        so a floor read a moment ago is still safe when XTRIM runs. `MINID ~` removes whole
+        stream nodes only, entries strictly below the floor.
+        """
+        now = time.monotonic()
+        if now < self._trim_due.get(stream, 0.0):
+            return
+        self._trim_due[stream] = now + self.trim_interval
+        floor: StreamID | None = None
+        for info in await self._redis.xinfo_groups(stream):
+            bound = parse_id(_str(info["last-delivered-id"]))
+            if int(info["pending"]):
+                oldest = (await self._redis.xpending(stream, info["name"])).get("min")
+                if oldest is not None:
+                    bound = min(bound, parse_id(_str(oldest)))
+            floor = bound if floor is None else min(floor, bound)
+        if floor is None or floor == (0, 0):
+            return
+        minid = format_id(floor)
+        while await self._redis.xtrim(stream, minid=minid, approximate=True, limit=_TRIM_CHUNK):
+            pass
 
     async def ack(self, stream: str, group: str, *ids: str) -> int:
         if not ids:
@@ -491,6 +658,8 @@ class RedisBus(EventBus):
     async def close(self) -> None:
         if self._owns_client:
             await self._redis.aclose()
+            if self._blocking is not self._redis:
+                await self._blocking.aclose()
 
 
 # --- over HTTP --------------------------------------------------------------------------
@@ -544,18 +713,21 @@ def make_bus(settings: Settings, **kwargs: Any) -> EventBus:
     `kwargs` go to the constructor (`maxlen`, `stream_maxlen`).
     """
     if settings.redis_url:
-        return RedisBus.from_url(settings.redis_url, **kwargs)
+        return RedisBus.from_url(settings.redis_url, timeout=settings.redis_timeout_seconds, **kwargs)
     return MemoryBus(**kwargs)
 
 
 def make_publisher(settings: Settings) -> Publisher:
     """How a worker publishes: Redis directly, else the server's internal endpoint."""
     if settings.redis_url:
-        return RedisBus.from_url(settings.redis_url)
+        return RedisBus.from_url(settings.redis_url, timeout=settings.redis_timeout_seconds)
     if settings.bus_url:
-        if not settings.internal_token:
-            raise BusConfigError("TOKENMILL_BUS_URL is set but TOKENMILL_INTERNAL_TOKEN is not")
-        return HttpPublisher(settings.bus_url, settings.internal_token)
+        token = settings.worker_credential  # the worker token: heartbeats and KV events only
+        if not token:
+            raise BusConfigError(
+                "TOKENMILL_BUS_URL is set but neither TOKENMILL_WORKER_TOKEN nor TOKENMILL_INTERNAL_TOKEN is"
+            )
+        return HttpPublisher(settings.bus_url, token)
     raise BusConfigError(
         "no event bus configured: set REDIS_URL, or TOKENMILL_BUS_URL (with TOKENMILL_INTERNAL_TOKEN)"
         " to publish through a server's internal endpoint"

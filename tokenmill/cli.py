@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -97,10 +98,11 @@ class Parts:
 
 
 def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
-    from litestar import Litestar
+    from litestar import Litestar, Router
     from litestar.di import Provide
     from litestar.openapi import OpenAPIConfig
 
+    from tokenmill.bodies import Request as BodyRequest
     from tokenmill.bus import make_bus
     from tokenmill.db import make_sessionmaker, provide_db_session
     from tokenmill.errors import exception_handlers
@@ -120,6 +122,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from gateway.controllers import OpenAIController
         from gateway.fleet import FleetView
         from gateway.keys import KeyCache
+        from gateway.prep import Prep
         from gateway.services import Gateway
         from gateway.upstream import Upstream
         from tokenmill.bus import Publisher, RedisBus
@@ -132,7 +135,15 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         limiter: RateLimiter
         publisher: Publisher
         try:
-            redis = RespClient.from_url(settings.redis_url) if settings.redis_url else None
+            redis = (
+                RespClient.from_url(
+                    settings.redis_url,
+                    connect_timeout=settings.redis_timeout_seconds,
+                    reply_timeout=settings.redis_timeout_seconds,
+                )
+                if settings.redis_url
+                else None
+            )
         except ValueError:  # a URL only redis-py reads (e.g. sentinel)
             redis = None
         if redis is not None:
@@ -148,8 +159,17 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         # Usage events wait on disk while the bus is unreachable, and are replayed in order.
         usage = SpoolingPublisher(publisher, settings.spool_path)
         services += [fleet, keys, usage]
-        upstream = Upstream()  # keep-alive connections to the workers
-        closers += [limiter.close, upstream.aclose]
+        upstream = Upstream(  # keep-alive connections to the workers
+            connect_timeout=settings.upstream_connect_timeout_seconds,
+            first_byte_timeout=settings.upstream_first_byte_timeout_seconds,
+            idle_timeout=settings.upstream_idle_timeout_seconds,
+        )
+        prep = Prep(settings.prep_threads)  # large requests are prepared off the event loop
+
+        async def close_prep() -> None:
+            prep.close()
+
+        closers += [limiter.close, upstream.aclose, close_prep]
         state["gateway"] = Gateway(
             settings,
             sessionmaker=sessionmaker,
@@ -158,8 +178,12 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
             admitter=Admitter(limiter, sessionmaker),
             publisher=usage,
             upstream=upstream,
+            prep=prep,
         )
-        handlers.append(OpenAIController)
+        # Bodies over the cap are refused (413) while they arrive, before any parsing.
+        handlers.append(
+            Router("/", route_handlers=[OpenAIController], request_max_body_size=settings.max_request_bytes)
+        )
     if parts.admin:
         from control_plane.controllers import admin_router
         from tokenmill.storage import open_storage
@@ -204,7 +228,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from tokenmill.internal import internal_router
 
         assert settings.internal_token
-        handlers.append(internal_router(bus, settings.internal_token))
+        handlers.append(internal_router(bus, settings.internal_token, worker_token=settings.worker_token))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -227,6 +251,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         lifespan=[lifespan],
         openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
         logging_config=None,  # keep the process's logging set up by the CLI
+        request_class=BodyRequest,  # undecodable JSON and forms are 400s, never 500s
         debug=False,
     )
     app.state.update(state)
@@ -251,12 +276,14 @@ def _reconciler(
         provider = LocalProcessProvider(env=_local_worker_env(settings))
     lease: Lease = SoleLease()
     if settings.redis_url:
-        from redis.asyncio import Redis
+        from tokenmill.bus import redis_client
 
         # A lease of a few intervals: a dead leader is replaced that quickly, and a slow
         # tick or two does not cost a live one its lease.
         ttl = max(5.0, 3 * settings.autoscale_interval_seconds)
-        lease = RedisLease(Redis.from_url(settings.redis_url), holder, ttl)
+        lease = RedisLease(
+            redis_client(settings.redis_url, timeout=settings.redis_timeout_seconds), holder, ttl
+        )
     return Reconciler(
         bus,
         sessionmaker,
@@ -270,7 +297,10 @@ def _reconciler(
 def _local_worker_env(settings: Settings) -> dict[str, str]:
     """What a worker started on this machine needs beyond our own environment."""
     env = {
-        "TOKENMILL_INTERNAL_TOKEN": settings.internal_token or "",
+        # A worker holds the worker token only (heartbeats and KV events, never usage); with no
+        # separate one configured that is the internal token, as before.
+        "TOKENMILL_WORKER_TOKEN": settings.worker_credential or "",
+        "TOKENMILL_INTERNAL_TOKEN": "" if settings.worker_token else settings.internal_token or "",
         "TOKENMILL_HOME": str(settings.home_dir),
         "TOKENMILL_MODEL_CACHE": str(settings.cache_dir),
         "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
@@ -313,8 +343,12 @@ async def _serve_app(
         log_config=None,
         # One line per request (method, path, status; never headers) when debugging.
         access_log=settings.log_level.upper() == "DEBUG",
-        timeout_graceful_shutdown=10,
+        # Streams in flight may run TOKENMILL_MAX_STREAM_SECONDS; a rollout must not cut them.
+        timeout_graceful_shutdown=math.ceil(settings.graceful_shutdown_seconds),
         lifespan="on",
+        # The peer stays the peer: uvicorn would take X-Forwarded-For from any local process.
+        # tokenmill.clients believes the header only from TOKENMILL_TRUSTED_PROXIES.
+        proxy_headers=False,
     )
     server = Server(config)
     loop = asyncio.get_running_loop()
@@ -343,6 +377,7 @@ async def _serve_app(
 async def _migrate(settings: Settings) -> None:
     import migrations
 
+    settings.secure_home(create_db=True)
     await asyncio.to_thread(migrations.upgrade, settings.db_url)
 
 
@@ -575,8 +610,8 @@ def worker(
 ) -> None:
     """Run one model worker; it joins the fleet through the bus."""
     settings = _settings(model=model, worker_host=host, worker_port=port)
-    if not settings.internal_token:
-        _fail("set TOKENMILL_INTERNAL_TOKEN (workers only accept internal traffic)", 2)
+    if not settings.worker_credential:
+        _fail("set TOKENMILL_WORKER_TOKEN or TOKENMILL_INTERNAL_TOKEN (workers need a token)", 2)
     from workers.main import run_worker
 
     sys.exit(
@@ -601,10 +636,16 @@ def migrate(action: str, revision: str | None) -> None:
     import migrations
 
     if not settings.database_url:
-        settings.home_dir.mkdir(parents=True, exist_ok=True)
+        settings.secure_home(create_db=True)
     try:
         if action == "upgrade":
             migrations.upgrade(settings.db_url, revision or "head")
+            if settings.app_database_url:
+                # The services' own role: rows only, no DDL (the migration Job runs as the owner).
+                from migrations.roles import ensure_app_role
+
+                role = asyncio.run(ensure_app_role(settings.db_url, settings.app_database_url))
+                click.echo(f"granted the application's role {role} data access")
         elif action == "downgrade":
             migrations.downgrade(settings.db_url, revision or "-1")
         else:

@@ -3,7 +3,9 @@
 In the embedded mode there is no Redis: local workers publish heartbeats and KV events
 to the server's in-memory bus through `POST /internal/bus/{stream}`. Every internal
 endpoint requires the internal token, so nothing on the network can inject fleet state
-or usage without it.
+or usage without it. A worker's own token (`TOKENMILL_WORKER_TOKEN`) is accepted too, for
+what a worker says only (heartbeats and KV events): a worker cannot publish usage or key
+changes.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from litestar.params import FromPath
 from litestar.types import Guard
 
 from tokenmill import protocol
+from tokenmill.bodies import json_error
 from tokenmill.bus import EventBus
 
 # Streams a caller may publish to; anything else is a 404 so a typo or a probe cannot
 # create arbitrary keys in the bus.
 KNOWN_STREAMS = frozenset({protocol.WORKERS, protocol.KV, protocol.USAGE, protocol.KEYS})
+# The scope of the worker token: what a worker publishes, nothing that is billed or trusted.
+WORKER_STREAMS = frozenset({protocol.WORKERS, protocol.KV})
 
 
 class InternalAPIError(HTTPException):
@@ -51,27 +56,45 @@ def bearer_token(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return value.strip()
 
 
-def require_internal_token(token: str) -> Guard:
-    """A Litestar guard admitting only `Authorization: Bearer <token>` (constant-time check).
+def require_internal_token(
+    token: str, *, worker_token: str | None = None, worker_streams: Iterable[str] = WORKER_STREAMS
+) -> Guard:
+    """A Litestar guard admitting only `Authorization: Bearer <token>` (constant-time check),
+    or `Bearer <worker_token>` on a route whose `stream` path parameter is in `worker_streams`.
 
-    Raises `InternalAPIError` (401); register `error_response` for it, as `internal_router`
-    does, to answer in the OpenAI error shape.
+    Raises `InternalAPIError` (401, or 403 for the worker token out of its scope); register
+    `error_response` for it, as `internal_router` does, to answer in the OpenAI error shape.
     """
     if not token:
         raise ValueError("the internal token must not be empty")
     expected = token.encode()
+    worker = worker_token.encode() if worker_token and worker_token != token else None
+    scope = frozenset(worker_streams)
 
     def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         given = bearer_token(connection)
+        supplied = (given or "").encode()
         # compare_digest wants bytes (str must be ASCII); a missing token still costs a compare.
-        if not hmac.compare_digest((given or "").encode(), expected) or given is None:
+        internal = hmac.compare_digest(supplied, expected)
+        as_worker = worker is not None and hmac.compare_digest(supplied, worker)
+        if given is None or not (internal or as_worker):
             raise InternalAPIError(401, "Missing or invalid internal token.", "invalid_internal_token")
+        if not internal and connection.path_params.get("stream") not in scope:
+            raise InternalAPIError(
+                403,
+                "The worker token may publish heartbeats and KV events only.",
+                "insufficient_scope",
+                type="permission_error",
+            )
 
     return guard
 
 
-def internal_router(bus: EventBus, token: str, *, streams: Iterable[str] = KNOWN_STREAMS) -> Router:
-    """The `/internal` router: `POST /internal/bus/{stream}` publishes a JSON object to `bus`."""
+def internal_router(
+    bus: EventBus, token: str, *, streams: Iterable[str] = KNOWN_STREAMS, worker_token: str | None = None
+) -> Router:
+    """The `/internal` router: `POST /internal/bus/{stream}` publishes a JSON object to `bus`
+    (with the internal token; with `worker_token`, to the worker streams only)."""
     allowed = frozenset(streams)
 
     @post("/bus/{stream:str}", status_code=202)
@@ -81,8 +104,9 @@ def internal_router(bus: EventBus, token: str, *, streams: Iterable[str] = KNOWN
         body = await request.body()
         try:
             event = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            raise InternalAPIError(400, f"Body is not valid JSON: {exc}", "invalid_json") from None
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            # msgspec raises the last two for invalid UTF-8 in a string and for deep nesting.
+            raise InternalAPIError(400, json_error(exc) or "JSON is malformed.", "invalid_json") from None
         if not isinstance(event, dict):
             raise InternalAPIError(400, "Body must be a JSON object.", "invalid_json")
         return {"id": await bus.publish(stream, event)}
@@ -90,7 +114,7 @@ def internal_router(bus: EventBus, token: str, *, streams: Iterable[str] = KNOWN
     return Router(
         path="/internal",
         route_handlers=[publish_event],
-        guards=[require_internal_token(token)],
+        guards=[require_internal_token(token, worker_token=worker_token)],
         exception_handlers={InternalAPIError: error_response},
         include_in_schema=False,
     )

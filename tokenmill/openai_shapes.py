@@ -117,11 +117,30 @@ def chat_prompt(
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except Exception as exc:  # a template may raise on e.g. wrong role order
         raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
-    ids = tok.encode(text)
+    ids = encode_prompt(tok, text, context_length, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
     sampling.grammar = plan.grammar if plan is not None else response_grammar(req)
     return Prompt(ids, sampling)
+
+
+def encode_prompt(tok: Tokenizer, text: str, context_length: int, param: str) -> list[int]:
+    """`text`'s token ids; a text that cannot fit the context is refused before the work of
+    tokenizing it (a megabyte costs a second of CPU)."""
+    at_least = tok.min_tokens(text)
+    if at_least > context_length:
+        raise context_length_exceeded(context_length, f"at least {at_least} prompt tokens", param)
+    return tok.encode(text)
+
+
+def context_length_exceeded(context_length: int, requested: str, param: str) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. "
+        f"However, you requested {requested}.",
+        code="context_length_exceeded",
+        param=param,
+    )
 
 
 def with_system(messages: list[dict[str, object]], text: str) -> list[dict[str, object]]:
@@ -141,9 +160,6 @@ def new_request_id() -> str:
     return f"req_{secrets.token_hex(12)}"
 
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per request
-
-
 def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer, *, context_length: int) -> list[list[int]]:
     """Each input as the full sequence the encoder reads (special tokens included)."""
     raw = [req.input] if isinstance(req.input, str) else req.input
@@ -151,19 +167,29 @@ def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer, *, context_length: i
         raise APIError(400, "'input' must not be empty.", param="input")
     if all(isinstance(x, int) for x in raw):
         raw = [raw]  # type: ignore[list-item]  # one input given as token ids
-    if len(raw) > MAX_EMBEDDING_INPUTS:
-        raise APIError(400, f"At most {MAX_EMBEDDING_INPUTS} inputs per request.", param="input")
     if not (all(isinstance(x, str) for x in raw) or all(isinstance(x, list) for x in raw)):
         raise APIError(
             400, "'input' must be a string, strings, token ids, or lists of token ids.", param="input"
         )
     bare = tok.encode("", add_special_tokens=True)  # what the tokenizer wraps every text in
+    texts = [x for x in raw if isinstance(x, str)]
+    for i, x in enumerate(texts):
+        if not x:
+            raise APIError(400, f"Input {i} is an empty string.", param="input")
+        at_least = tok.min_tokens(x)
+        if at_least > context_length:
+            raise APIError(
+                400,
+                f"Input {i} has at least {at_least} tokens; this model reads at most {context_length}.",
+                code="context_length_exceeded",
+                param="input",
+            )
+    # One batch call: it tokenizes in parallel and without holding the GIL.
+    encoded = iter(tok.encode_batch(texts, add_special_tokens=True) if texts else [])
     out = []
     for i, x in enumerate(raw):
         if isinstance(x, str):
-            if not x:
-                raise APIError(400, f"Input {i} is an empty string.", param="input")
-            ids = tok.encode(x, add_special_tokens=True)
+            ids = next(encoded)
         else:
             if not x or any(not 0 <= t < tok.vocab_size for t in x):  # type: ignore[union-attr]
                 raise APIError(
@@ -215,7 +241,9 @@ def completion_prompt(
             raise APIError(400, "Send one prompt per request for now.", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tok.encode(prompt)
+        ids = encode_prompt(tok, prompt, context_length, "prompt")
+    elif len(prompt) > context_length:  # before looking at each of a million ids
+        raise context_length_exceeded(context_length, f"{len(prompt)} prompt tokens", "prompt")
     elif all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in prompt):
         ids = [int(t) for t in prompt]
     else:
@@ -243,13 +271,8 @@ def sampling_params(
     room = context_length - len(ids)
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = f" plus {max_tokens} completion tokens" if max_tokens else ""
-        raise APIError(
-            400,
-            f"This model's maximum context length is {context_length} tokens. "
-            f"However, you requested {len(ids)} prompt tokens{asked}.",
-            code="context_length_exceeded",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-        )
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise context_length_exceeded(context_length, f"{len(ids)} prompt tokens{asked}", param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     d = defaults
 
@@ -298,7 +321,7 @@ def message_dict(m: ChatMessage, native_tools: bool = False) -> dict[str, object
 def _hf_tool_call(c: ToolCall) -> dict[str, object]:
     try:
         arguments: object = msgspec.json.decode(c.function.arguments)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply to decode
         arguments = c.function.arguments
     return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}}
 
@@ -528,21 +551,19 @@ async def respond(
     request: Request[Any, Any, Any],
     body: OpenAIRequest,
     model: str,
-    start: Callable[[str], AsyncGenerator[GenerateDelta, None]],
-    extra_headers: dict[str, str] | None = None,
+    request_id: str,
+    deltas: AsyncGenerator[GenerateDelta, None],
+    extra_headers: Mapping[str, str] | None = None,
 ) -> Response[Any]:
-    """Answer `body` from the deltas of `start(request_id)`: one JSON object, or an SSE stream.
+    """Answer `body` from `deltas`: one JSON object, or an SSE stream.
 
-    `start` gets a fresh request id (also sent as `x-request-id`); closing the iterator
-    it returns must stop the generation, which happens when the client goes away.
-    `extra_headers` is read once the first delta is in, so `start` may fill it (the
-    gateway's rate-limit headers).
+    `request_id` goes out as `x-request-id` (and into the object ids). Closing `deltas`
+    must stop the generation, which happens when the client goes away; so must a
+    generator that was never started, which is why this starts it at once.
     """
     shape = shape_of(body)
-    request_id = new_request_id()
     object_id, created = f"{shape.kind}-{request_id[4:]}", int(time.time())
-    headers = {"x-request-id": request_id}
-    deltas = start(request_id)
+    headers = {**(extra_headers or {}), "x-request-id": request_id}
     # Wait for the first delta before answering, so failures before the first token
     # (no worker, a refused request) are proper HTTP errors rather than a broken stream.
     try:
@@ -550,7 +571,6 @@ async def respond(
     except APIError as exc:
         exc.headers.update(headers)
         raise
-    headers.update(extra_headers or {})
     if not body.stream:
         # Nothing is sent until the end, so watch for the client leaving: then stop the
         # generation instead of finishing it for nobody.

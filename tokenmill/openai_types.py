@@ -106,7 +106,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    n: PositiveInt = 1  # at most TOKENMILL_MAX_N (tokenmill.request_limits)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -133,7 +133,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20, extra_json_schema=_MIN_0)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, extra_json_schema=_MIN_0)] | None = None  # ≤ MAX_TOP_LOGPROBS
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

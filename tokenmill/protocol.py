@@ -123,9 +123,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
 
 
 class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):
+    """A worker left: said by itself on shutdown, or by the reconciler for a worker that went
+    silent (`lost`, with `ts` its last heartbeat's: when it was last known to run)."""
+
     worker_id: str
     deployment_id: str | None
     ts: float = 0.0
+    lost: bool = False
 
 
 WorkerEvent = WorkerAnnounce | Heartbeat | WorkerDeparture

@@ -14,6 +14,14 @@ An error reply raises `ResponseError` (its message starts with the Redis error c
 `RespConnectionError` (they may or may not have run); the next command reconnects. Both
 are redis-py exception classes too, so code that catches redis-py's errors catches these.
 
+Every wait is bounded: connecting (with AUTH and SELECT) by `connect_timeout`, replies by
+`reply_timeout`. Replies come back in order, so a Redis that sends no reply for
+`reply_timeout` while commands wait (stopped, hung, cut off) fails them all with
+`RespTimeoutError` (a `RespConnectionError` and a redis-py `TimeoutError`) and the
+connection is dropped; the next command reconnects. A check that runs late because our own
+event loop was stalled gives Redis a fresh window instead (its replies may be unread in the
+socket).
+
 `RespPublisher` publishes events with it exactly as `RedisBus.publish` does.
 
 URLs: `redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS) and
@@ -32,7 +40,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import hiredis
 import redis.exceptions
 
-from tokenmill.bus import DEFAULT_MAXLEN, FIELD, Event, stream_maxlen_of
+from tokenmill.bus import DEFAULT_MAXLEN, FIELD, REDIS_TIMEOUT, Event, redis_stream_maxlen_of
 from tokenmill.bus import encode as encode_event
 
 
@@ -43,6 +51,15 @@ class ResponseError(redis.exceptions.ResponseError):
 class RespConnectionError(redis.exceptions.ConnectionError, ConnectionError):
     """Redis could not be reached, or the connection failed before the reply arrived (a
     redis-py `ConnectionError` and an `OSError`)."""
+
+
+class RespTimeoutError(RespConnectionError, redis.exceptions.TimeoutError):
+    """Redis did not connect or reply in time; the connection was dropped."""
+
+
+# A timeout check running this much later than due (at most half the timeout) means our own
+# event loop was stalled meanwhile.
+_LATE = 1.0
 
 
 def encode(args: tuple[Any, ...]) -> bytes:
@@ -74,17 +91,26 @@ def encode(args: tuple[Any, ...]) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, reply_timeout: float | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.pending: list[bytes] = []  # commands not written yet
         self.lost: BaseException | None = None
+        # Redis must show progress (`progress`: a reply arrived, or a command went out on an
+        # idle connection) every `reply_timeout` while commands wait: one lazily re-armed
+        # timer per connection, not one per command.
+        self.loop = asyncio.get_running_loop()
+        self.reply_timeout = reply_timeout
+        self.progress = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.due = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.progress = self.loop.time()
         self.reader.feed(data)
         while True:
             try:
@@ -117,6 +143,9 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if self.lost is None:
             self.lost = exc
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         while self.waiting:
             fut = self.waiting.popleft()
             if not fut.done():
@@ -124,13 +153,37 @@ class _Connection(asyncio.Protocol):
 
     def send(self, payload: bytes) -> asyncio.Future[Any]:
         """Queue a command; the commands of one event loop turn go out in one write."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         fut = loop.create_future()
+        if not self.waiting:  # the first command on an idle connection: its clock starts now
+            self.progress = loop.time()
         self.waiting.append(fut)
         if not self.pending:
             loop.call_soon(self._flush)
         self.pending.append(payload)
+        if self.timer is None and self.reply_timeout is not None:
+            self._schedule(self.progress + self.reply_timeout)
         return fut
+
+    def _schedule(self, due: float) -> None:
+        self.due = due
+        self.timer = self.loop.call_at(due, self._check)
+
+    def _check(self) -> None:
+        self.timer = None
+        limit = self.reply_timeout
+        if limit is None or not self.waiting or self.lost is not None:
+            return  # the next command on an idle connection arms it again
+        now = self.loop.time()
+        if now - self.due > min(_LATE, limit / 2):
+            self.progress = now  # our own loop was stalled: not Redis's silence
+        deadline = self.progress + limit
+        if now < deadline:
+            self._schedule(deadline)
+            return
+        self._fail(RespTimeoutError(f"Redis sent no reply for {limit:g} s"))
+        if self.transport is not None:
+            self.transport.close()
 
     def _flush(self) -> None:
         payload = b"".join(self.pending)
@@ -154,11 +207,13 @@ class RespClient:
         username: str | None = None,
         password: str | None = None,
         tls: ssl.SSLContext | None = None,
-        connect_timeout: float = 5.0,
+        connect_timeout: float = REDIS_TIMEOUT,
+        reply_timeout: float | None = REDIS_TIMEOUT,
     ) -> None:
         self.host, self.port, self.path, self.db = host, port, path, db
         self.username, self.password, self.tls = username, password, tls
         self.connect_timeout = connect_timeout
+        self.reply_timeout = reply_timeout
         self._conn: _Connection | None = None
         self._connecting: asyncio.Lock | None = None
         self._closed = False
@@ -197,13 +252,14 @@ class RespClient:
             if conn is not None and conn.usable:
                 return conn
             loop = asyncio.get_running_loop()
+            conn = None
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     if self.path is not None:
-                        _, conn = await loop.create_unix_connection(_Connection, self.path)
+                        _, conn = await loop.create_unix_connection(self._protocol, self.path)
                     else:
                         _, conn = await loop.create_connection(
-                            _Connection, self.host, self.port, ssl=self.tls
+                            self._protocol, self.host, self.port, ssl=self.tls
                         )
                     hello: list[asyncio.Future[Any]] = []
                     if self.password is not None:
@@ -213,7 +269,13 @@ class RespClient:
                         hello.append(conn.send(encode(("SELECT", self.db))))
                     for reply in hello:
                         await reply
-            except (OSError, TimeoutError) as exc:
+            except TimeoutError as exc:
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()  # connected, but AUTH or SELECT got no reply
+                raise RespTimeoutError(f"cannot connect to Redis within {self.connect_timeout:g} s") from exc
+            except OSError as exc:
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()
                 raise RespConnectionError(f"cannot connect to Redis: {exc!r}") from exc
             except ResponseError:
                 if conn is not None and conn.transport is not None:
@@ -221,6 +283,9 @@ class RespClient:
                 raise
             self._conn = conn
             return conn
+
+    def _protocol(self) -> _Connection:
+        return _Connection(self.reply_timeout)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -231,7 +296,8 @@ class RespClient:
 
 class RespPublisher:
     """A `Publisher` on a `RespClient`: the same stream entries as `RedisBus.publish` (one
-    field holding the JSON event; trimmed with `MAXLEN ~ maxlen`, none when None)."""
+    field holding the JSON event; trimmed with `MAXLEN ~ maxlen`, none when None: by default
+    the usage stream, which the consumer side trims behind its groups)."""
 
     def __init__(
         self,
@@ -243,7 +309,7 @@ class RespPublisher:
     ) -> None:
         self.client = client
         self._maxlen = maxlen
-        self._stream_maxlen = stream_maxlen_of(stream_maxlen)
+        self._stream_maxlen = redis_stream_maxlen_of(stream_maxlen)
         self._owns_client = owns_client
 
     async def publish(self, stream: str, event: Event) -> str:

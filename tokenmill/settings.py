@@ -7,14 +7,18 @@ configuration at all; production sets DATABASE_URL, REDIS_URL and the secrets.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
+import stat
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AfterValidator, AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenmill.clients import check_trusted_proxies
 
 BUNDLED_MODEL = "bundled:smollm2"
 BUNDLED_EMBED_MODEL = "bundled:minilm"
@@ -71,6 +75,30 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=1.0, description="Worker heartbeat interval.")
     worker_timeout_seconds: float = Field(
         default=3.0, description="A worker without a heartbeat for this long is not routed to."
+    )
+    # Timeouts of the outbound calls: a worker or Redis that accepts a connection and never
+    # answers must fail a request (or fail open) within bounded time, never hang it.
+    upstream_connect_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="How long the gateway waits to connect to a worker."
+    )
+    upstream_first_byte_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long the gateway waits for a worker's response headers (a stream starts at "
+        "once; embeddings and on-demand adapter loads answer after their work); past it the request "
+        "is retried on another worker.",
+    )
+    upstream_idle_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest silence the gateway allows inside a worker's response; a worker sends a "
+        "keep-alive line every 2 s while a request waits or prefills, so only a hung one trips it.",
+    )
+    redis_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long a Redis client waits to connect and for each reply (beyond a blocking "
+        "read's own wait); past it the call fails as an outage.",
     )
     routing: Literal["prefix", "round_robin", "least_loaded"] = Field(
         default="prefix",
@@ -172,6 +200,35 @@ class Settings(BaseSettings):
         default=None, description="Endpoint of an S3-compatible server (MinIO, Ceph...); default AWS."
     )
     s3_region: str | None = Field(default=None, description="S3 region; default boto3's configuration.")
+    # --- hostile input (issue 14): who the client is, failed keys, public URL -----------------
+    public_url: str | None = Field(
+        default=None,
+        description="The URL users reach this server at (e.g. `https://llm.example.com`); when it is "
+        "https, the dashboard's cookies are `Secure` and its pages send `Strict-Transport-Security`.",
+    )
+    trusted_proxies: Annotated[str, AfterValidator(check_trusted_proxies)] = Field(
+        default="",
+        description="Reverse proxies (addresses or CIDR blocks, comma-separated) whose "
+        "`X-Forwarded-For` names the client, for the per-address limits of failed API keys and "
+        "dashboard sign-ins; default none: the TCP peer is the client and the header is ignored.",
+    )
+    key_cache_size: int = Field(
+        default=10_000,
+        ge=1,
+        description="API key records a gateway keeps in memory (least recently used out).",
+    )
+    key_cache_misses: int = Field(
+        default=1_000,
+        ge=1,
+        description="Unknown API keys a gateway remembers (2 s each, least recently used out), so a "
+        "repeated bad key skips the database.",
+    )
+    auth_failures_per_minute: int = Field(
+        default=20,
+        ge=0,
+        description="Failed API key authentications a client address may make in a burst, then one "
+        "every 60/N s, before further attempts get 429 without a database read; 0 = no limit.",
+    )
     max_lora_rank: int = Field(
         default=64, ge=1, description="Largest LoRA rank an uploaded adapter may have."
     )
@@ -207,7 +264,85 @@ class Settings(BaseSettings):
         description="Kubernetes Secret whose keys become the workers' environment (internal token, "
         "Redis and storage URLs).",
     )
+    # --- production on Kubernetes (issue 22): streams and shutdown, the workers' token and size,
+    # the application's database role.
+    max_stream_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Longest a response stream may run (the gateway ends one that runs longer); a "
+        "stopping server waits at least this long for the streams in flight.",
+    )
+    shutdown_grace_seconds: float | None = Field(
+        default=None,
+        description="How long a stopping server waits for requests in flight before closing them "
+        "(uvicorn's graceful timeout); default, and at least, TOKENMILL_MAX_STREAM_SECONDS.",
+    )
+    worker_token: str | None = Field(
+        default=None,
+        description="Token the gateways present to workers and workers publish heartbeats and KV "
+        "events with; unlike the internal token it cannot publish usage or key changes. Default "
+        "TOKENMILL_INTERNAL_TOKEN.",
+    )
+    worker_resources: dict[str, dict[str, int]] = Field(
+        default={},
+        description="Per GPU type, one GPU's share of a worker pod on Kubernetes (a pod with n GPUs "
+        'asks n times it), as JSON: {"a10g": {"cpu_millis": 7500, "memory_mib": 28672, '
+        '"ephemeral_gib": 80, "model_cache_gib": 60}}; infra/terraform derives it from the node types.',
+    )
+    app_database_url: str | None = Field(
+        default=None,
+        description="For `migrate upgrade` run as the database owner: the services' DATABASE_URL, "
+        "whose role is created (or its password set) and granted data access only, no DDL.",
+    )
+    # --- what one request may ask for (OpenAI's limits where it has them); each a clear 400 ---
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="Largest request body of the OpenAI API (413 above it)."
+    )
+    max_messages: int = Field(default=2048, ge=1, description="Most `messages` in one chat request.")
+    max_stop: int = Field(default=4, ge=0, description="Most `stop` strings in one request (OpenAI: 4).")
+    max_stop_chars: int = Field(default=1000, ge=1, description="Longest `stop` string, in characters.")
+    max_logit_bias: int = Field(default=300, ge=0, description="Most `logit_bias` entries (OpenAI: 300).")
+    max_tools: int = Field(default=128, ge=0, description="Most `tools` in one chat request (OpenAI: 128).")
+    max_guided_choices: int = Field(default=1024, ge=1, description="Most `guided_choice` entries.")
+    max_schema_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest JSON schema (response_format, guided_json, each tool's parameters) or "
+        "`guided_regex`/`guided_grammar`, in bytes of JSON.",
+    )
+    max_schema_depth: int = Field(default=32, ge=2, description="Deepest nesting of such a JSON schema.")
+    max_n: int = Field(default=16, ge=1, description="Largest `n` (choices per request).")
+    max_top_logprobs: int = Field(default=20, ge=0, description="Largest `top_logprobs` (OpenAI: 20).")
+    max_embedding_inputs: int = Field(
+        default=2048, ge=1, description="Most inputs in one embeddings request (OpenAI: 2048)."
+    )
+    prep_threads: int = Field(
+        default=max(1, (os.cpu_count() or 2) // 2),
+        ge=1,
+        description="Threads of a gateway that render chat templates, tokenize and compile grammars "
+        "of large requests off its event loop (one at a time per organisation); default half the CPUs.",
+    )
     log_level: str = Field(default="INFO", description="Python logging level.")
+
+    @model_validator(mode="after")
+    def _shutdown_outlasts_streams(self) -> Settings:
+        if self.shutdown_grace_seconds is not None and self.shutdown_grace_seconds < self.max_stream_seconds:
+            raise ValueError(
+                "TOKENMILL_SHUTDOWN_GRACE_SECONDS must be at least TOKENMILL_MAX_STREAM_SECONDS "
+                "(a stopping server would cut the streams in flight)"
+            )
+        return self
+
+    @property
+    def graceful_shutdown_seconds(self) -> float:
+        """How long a stopping server waits for requests in flight (never less than a stream)."""
+        grace = self.shutdown_grace_seconds
+        return grace if grace is not None else self.max_stream_seconds
+
+    @property
+    def worker_credential(self) -> str | None:
+        """What workers check and publish with, and what gateways present to them."""
+        return self.worker_token or self.internal_token
 
     @cached_property
     def home_dir(self) -> Path:
@@ -232,6 +367,7 @@ class Settings(BaseSettings):
 
         Only the embedded mode relies on this; production passes them in the environment.
         """
+        self.secure_home()
         path = self.home_dir / "secrets.json"
         stored: dict[str, str] = {}
         if path.exists():
@@ -249,6 +385,40 @@ class Settings(BaseSettings):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(stored, f)
+
+    def secure_home(self, *, create_db: bool = False) -> None:
+        """TOKENMILL_HOME private to its owner: the directory 0700, the secrets and the embedded
+        SQLite database (password hashes, cache salts) 0600. Files an older version left
+        readable are tightened too, on every start; a mode someone made stricter is kept.
+
+        With `create_db` (the commands that migrate it), the database file is created here,
+        empty, before SQLite opens it: SQLite would create it with the umask's mode (0644),
+        and gives its journal files the database's mode.
+        """
+        home = self.home_dir
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _restrict(home, 0o700)
+        private = ["secrets.json"]
+        if not self.database_url:
+            db = home / "tokenmill.db"
+            if create_db:
+                os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+            private += [db.name, f"{db.name}-wal", f"{db.name}-shm", f"{db.name}-journal"]
+        for name in private:
+            if (home / name).exists():
+                _restrict(home / name, 0o600)
+
+
+def _restrict(path: Path, allowed: int) -> None:
+    """Drop the permission bits of `path` outside `allowed` (not ours to change: a warning)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & ~allowed:
+        try:
+            path.chmod(mode & allowed)
+        except PermissionError:
+            logging.getLogger("tokenmill.settings").warning(
+                "%s is mode %o and not ours to restrict to %o", path, mode, mode & allowed
+            )
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -280,7 +280,7 @@ def render_tool_calls(calls: list[ToolCall]) -> str:
     for c in calls:
         try:
             arguments = json.loads(c.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # malformed, or nested too deeply to decode
             arguments = c.function.arguments  # passed through: the model sees what was sent
         items.append({"name": c.function.name, "arguments": arguments})
     return TOOL_CALL_TAG + json.dumps(items, ensure_ascii=False)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from tokenmill.bus import Entry, EventBus
 
 log = logging.getLogger("tokenmill.tasks")
+
+# Entries `tail` reads at a time; a read returning fewer has caught up with the stream.
+_TAIL_COUNT = 100
 
 
 class Background(ABC):
@@ -41,24 +45,37 @@ class Background(ABC):
         """The loop; cancelled by `stop()`."""
 
 
-async def tail(bus: EventBus, stream: str, apply: Callable[[bytes], None], *, name: str) -> None:
+async def tail(
+    bus: EventBus,
+    stream: str,
+    apply: Callable[[bytes], None],
+    *,
+    name: str,
+    block: float = 1.0,
+    caught_up: Callable[[float], None] | None = None,
+) -> None:
     """Apply every entry published to `stream` from now on, for ever (every replica sees all).
 
     Survives a bus outage. A Redis restarted without persistence has lost the stream, but
     new entries get time-based ids above the one we wait past, so reading goes on as before.
+    `caught_up(t)` is called after each read that left nothing behind: every entry published
+    before monotonic time `t` has been applied (what judging silence on evidence needs).
     """
     after: str | None = None
     while True:
         try:
             if after is None:
                 after = await bus.last_id(stream)
-            entries = await bus.read(stream, after, block=1.0)
+            started = time.monotonic()
+            entries = await bus.read(stream, after, block=block, count=_TAIL_COUNT)
             for entry_id, raw in entries:
                 after = entry_id
                 try:
                     apply(raw)
                 except Exception:
                     log.exception("%s: dropping an entry of %s it cannot apply", name, stream)
+            if caught_up is not None and len(entries) < _TAIL_COUNT:
+                caught_up(started)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -71,7 +88,9 @@ class GroupConsumer(Background):
 
     A batch whose `handle` raises is handed back to the group and retried after a pause,
     so handlers must be idempotent (the ledger's unique request id, the workers table's
-    upserts). A restart with the same consumer name resumes with its pending entries.
+    upserts). A restart with the same consumer name resumes with its pending entries; what a
+    consumer that died (under any name) left pending is claimed by a live one once idle past
+    the bus's threshold (`RedisBus` claim_idle), and handled here like any other batch.
     """
 
     stream = ""

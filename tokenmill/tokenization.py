@@ -105,6 +105,26 @@ def _load_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | N
 
 # --- tokenizer -----------------------------------------------------------------------------
 
+# Texts longer than this are tokenized through the GIL-releasing batch call (a few µs more).
+_GIL_FREE_CHARS = 4096
+
+# Normalizers that never make a text shorter, so `len(text) / max_token_chars` stays a lower
+# bound on its tokens: `Replace` only as SentencePiece uses it (one character for another).
+_SAFE_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "NFKD"}
+
+
+def _never_shrinks(config: Any) -> bool:
+    if config is None:
+        return True
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind == "Sequence":
+        return all(_never_shrinks(c) for c in config.get("normalizers") or [])
+    if kind == "Replace":
+        pattern = (config.get("pattern") or {}).get("String")
+        content = config.get("content")
+        return isinstance(pattern, str) and isinstance(content, str) and len(content) >= len(pattern)
+    return kind in _SAFE_NORMALIZERS
+
 
 class Tokenizer:
     """A model's tokenizer (tokenizer.json) plus its chat template and special ids."""
@@ -212,10 +232,33 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special tokens written in the text (e.g. <|im_start|> from the chat template) are
         # matched either way; add_special_tokens only controls the post-processor (BOS/CLS...).
+        if len(text) > _GIL_FREE_CHARS:
+            # `tokenizers` holds the GIL through `encode` but releases it in `encode_batch`:
+            # a long text tokenized in a thread must not stop the event loop meanwhile.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """Most characters of input text one token can stand for, or None when that bounds
+        nothing: a normalizer that may shrink the text (lowercasing is fine, stripping accents
+        or whitespace is not) lets any length of input become few tokens."""
+        config = json.loads(self._tok.to_str()).get("normalizer")
+        if not _never_shrinks(config):
+            return None
+        # A vocabulary entry spells what its token covers: one character per byte for
+        # byte-level BPE (which covers at most as many characters), the normalized text for
+        # SentencePiece (`▁` for a space). Byte-fallback entries (`<0x41>`) only overstate.
+        return max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True)) or None
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))`, known without tokenizing: a text that cannot
+        fit a context is refused without spending a second on it."""
+        per_token = self.max_token_chars
+        return -(-len(text) // per_token) if per_token else 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

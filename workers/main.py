@@ -32,6 +32,7 @@ from tokenmill.bus import BusConfigError, Publisher, make_publisher
 from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
 from tokenmill.net import bind, http_address
 from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce, WorkerDeparture
+from tokenmill.request_limits import RequestLimits
 from tokenmill.settings import Settings
 from tokenmill.storage import open_storage
 from workers.server import Generator, Load, RecentTtft, WorkerInfo, create_app
@@ -97,11 +98,12 @@ def run_worker(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     parent_pid = os.getppid()  # before the slow load, so a parent dying meanwhile is noticed
     worker_id = worker_id or f"worker-{secrets.token_hex(4)}"
-    if not settings.internal_token:
+    if not settings.worker_credential:
         # Embedded mode run by hand: share the server's generated secret from HOME.
         log.warning("TOKENMILL_INTERNAL_TOKEN unset; using the one stored under %s", settings.home_dir)
         settings.ensure_secrets()
-    token = settings.internal_token
+    # The worker token when there is one (it cannot publish usage), else the internal token.
+    token = settings.worker_credential
     if not token:
         raise RuntimeError("no internal token")
     # Configuration errors first, in milliseconds, rather than after loading the model.
@@ -189,6 +191,7 @@ def run_worker(
         embedder=embedder,
         ttft=ttft,
         token=token,
+        limits=RequestLimits.from_settings(settings),
         info=WorkerInfo(
             worker_id=worker_id,
             model=name,
@@ -200,7 +203,8 @@ def run_worker(
         app,
         log_config=None,  # keep the process's logging setup
         access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        # Never shorter than the longest stream (TOKENMILL_MAX_STREAM_SECONDS) a gateway lets run.
+        timeout_graceful_shutdown=max(GRACEFUL_SHUTDOWN_SECONDS, settings.graceful_shutdown_seconds),
     )
     try:
         return asyncio.run(

@@ -10,6 +10,7 @@ model while bypassing the gateway's keys, limits and metering.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -18,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, delete, get, post
@@ -36,15 +37,27 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 from tokenmill.errors import APIError, exception_handlers
-from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, model_not_found, respond
+from tokenmill.openai_shapes import (
+    Prompt,
+    chat_prompt,
+    completion_prompt,
+    model_not_found,
+    new_request_id,
+    respond,
+)
 from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest
 from tokenmill.protocol import EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, KvOp, LoadAdapter
+from tokenmill.request_limits import RequestLimits, check_chat, check_completion, check_sampling
 from tokenmill.tokenization import Tokenizer
 from workers.adapters import AdapterProblem
 
 log = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
+# While a /generate stream has nothing to send (the request waits in the engine's queue, or
+# prefills a long prompt), an empty line this often tells the gateway the worker is alive:
+# its idle timeout (TOKENMILL_UPSTREAM_IDLE_TIMEOUT_SECONDS) then only trips on a hung worker.
+KEEPALIVE_SECONDS = 2.0
 # Answers 200 without the internal token once the model is loaded (the server only starts
 # then): Kubernetes' startup, readiness and liveness probes.
 READY_PATH = "/ready"
@@ -82,6 +95,69 @@ class RecentTtft:
             return None
         values = sorted(t for _, t in self._seen)
         return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
+
+
+T = TypeVar("T")
+
+
+class KeepAlive(Generic[T]):
+    """The items of `source`, and None whenever `every` seconds pass without one.
+
+    `source` is read by a task of its own, so a wait for its next item is never cancelled
+    (cancelling an engine stream aborts the request). `aclose()` cancels that task and waits
+    for it, so `source` is closed (generation stopped) once it returns.
+    """
+
+    def __init__(self, source: AsyncIterator[T], every: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._every = every
+        self._items: deque[T] = deque()
+        self._end: BaseException | None = None  # StopAsyncIteration, or what `source` raised
+        self._waiter: asyncio.Future[None] | None = None
+        self._last = self._loop.time()  # when we last returned something
+        self._task = self._loop.create_task(self._pump(source))
+
+    async def _pump(self, source: AsyncIterator[T]) -> None:
+        try:
+            async for item in source:
+                self._items.append(item)
+                self._wake()
+            self._end = StopAsyncIteration()
+        except asyncio.CancelledError:
+            self._end = StopAsyncIteration()
+            raise
+        except Exception as exc:
+            self._end = exc
+        finally:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> KeepAlive[T]:
+        return self
+
+    async def __anext__(self) -> T | None:
+        if not self._items and self._end is None:
+            self._waiter = self._loop.create_future()
+            timer = self._loop.call_at(self._last + self._every, self._wake)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        self._last = self._loop.time()
+        if self._items:
+            return self._items.popleft()
+        if self._end is not None:
+            raise self._end
+        return None  # `every` seconds without an item
+
+    async def aclose(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+            await asyncio.wait((self._task,))
 
 
 class Load(Protocol):
@@ -269,8 +345,12 @@ def create_app(
     info: WorkerInfo,
     embedder: Embedder | None = None,
     ttft: RecentTtft | None = None,
+    keepalive: float = KEEPALIVE_SECONDS,
+    limits: RequestLimits | None = None,
 ) -> Litestar:
-    """The app of a generate worker (`generator`) or of an embed worker (`embedder`)."""
+    """The app of a generate worker (`generator`) or of an embed worker (`embedder`);
+    `keepalive`: seconds without a delta after which a /generate stream sends an empty line;
+    `limits`: what one request may ask for (the gateway's, checked again for direct callers)."""
     if not token:
         raise ValueError("the worker needs an internal token")
     expected = token.encode()
@@ -288,7 +368,9 @@ def create_app(
     if generator is not None and embedder is None:
         load, kind = generator, "generate"
         metrics = _Metrics.create(load, info.model, generator)
-        handlers = _generation_routes(generator, info, metrics, ttft or RecentTtft())
+        handlers = _generation_routes(
+            generator, info, metrics, ttft or RecentTtft(), keepalive, limits or RequestLimits()
+        )
         handlers.append(
             _refusal("/embed", f"this worker serves the generative model '{info.model}', not embeddings")
         )
@@ -352,7 +434,7 @@ def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTT
     async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
         try:
             req = decoder.decode(await request.body())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
             return error_response(400, f"invalid embed request: {exc}")
         try:
             embedder.validate(req)
@@ -375,7 +457,12 @@ def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTT
 
 
 def _generation_routes(
-    generator: Generator, info: WorkerInfo, metrics: _Metrics, recent: RecentTtft
+    generator: Generator,
+    info: WorkerInfo,
+    metrics: _Metrics,
+    recent: RecentTtft,
+    keepalive: float,
+    limits: RequestLimits,
 ) -> list[HTTPRouteHandler]:
     """/generate and the OpenAI endpoints of a generate worker."""
     encoder = msgspec.json.Encoder()
@@ -407,9 +494,9 @@ def _generation_routes(
 
     async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
         try:
-            async with aclosing(metered(req)) as deltas:
-                async for delta in deltas:
-                    yield encoder.encode(delta) + b"\n"
+            async with aclosing(metered(req)) as deltas, aclosing(KeepAlive(deltas, keepalive)) as items:
+                async for delta in items:
+                    yield b"\n" if delta is None else encoder.encode(delta) + b"\n"
         except Exception as exc:  # the status line is long gone: report in-band
             log.exception("stream failed for %s", req.request_id)
             yield encoder.encode(GenerateDelta(finish_reason="error", error=str(exc))) + b"\n"
@@ -453,10 +540,13 @@ def _generation_routes(
         # OpenAI-style error shape.
         try:
             req = decoder.decode(await request.body())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
             return error_response(400, f"invalid generate request: {exc}")
         try:
+            check_sampling(req.sampling, limits)  # e.g. 40,000 stop strings checked every token
             generator.validate(req)
+        except APIError as exc:
+            return error_response(400, exc.message, param=exc.param)
         except ValueError as exc:
             return error_response(400, str(exc), param=getattr(exc, "param", None))
         if req.adapter is not None:  # loaded on demand, before the stream starts: errors get a status
@@ -472,20 +562,24 @@ def _generation_routes(
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest]) -> Response[Any]:
         check_model(data.model)
+        check_chat(data, limits)
         prompt = chat_prompt(
             data, generator.tokenizer, context_length=generator.context_length, defaults=info.sampling
         )
-        return await respond(request, data, info.model, openai_deltas(prompt, "messages"))
+        rid = new_request_id()
+        return await respond(request, data, info.model, rid, openai_deltas(prompt, "messages")(rid))
 
     @post("/v1/completions", status_code=200)
     async def completions(
         request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
     ) -> Response[Any]:
         check_model(data.model)
+        check_completion(data, limits)
         prompt = completion_prompt(
             data, generator.tokenizer, context_length=generator.context_length, defaults=info.sampling
         )
-        return await respond(request, data, info.model, openai_deltas(prompt, "prompt"))
+        rid = new_request_id()
+        return await respond(request, data, info.model, rid, openai_deltas(prompt, "prompt")(rid))
 
     return [generate, chat, completions, *_adapter_routes(generator)]
 
@@ -506,7 +600,7 @@ def _adapter_routes(generator: Generator) -> list[HTTPRouteHandler]:
     async def load(request: Request[Any, Any, Any]) -> Response[Any]:
         try:
             body = decoder.decode(await request.body())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
             return error_response(400, f"invalid adapter request: {exc}")
         try:
             evicted = await generator.load_adapter(body.id, body.key)

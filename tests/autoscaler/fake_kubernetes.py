@@ -11,6 +11,10 @@ Paths and verbs are those of kubernetes.client (AppsV1Api, CoreV1Api):
   GET, PUT, DELETE  /apis/apps/v1/namespaces/{ns}/deployments/{name}
   PATCH             /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale
   PATCH, DELETE     /api/v1/namespaces/{ns}/pods/{name}
+  POST              /apis/policy/v1/namespaces/{ns}/poddisruptionbudgets
+  GET, DELETE       /apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/{name}
+  POST              /apis/scheduling.k8s.io/v1/priorityclasses
+  GET               /apis/scheduling.k8s.io/v1/priorityclasses/{name}
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ _DEPLOYMENTS = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments$")
 _DEPLOYMENT = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)$")
 _SCALE = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
+_BUDGETS = re.compile(r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets$")
+_BUDGET = re.compile(r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/]+)$")
+_PRIORITY_CLASSES = re.compile(r"^/apis/scheduling\.k8s\.io/v1/priorityclasses$")
+_PRIORITY_CLASS = re.compile(r"^/apis/scheduling\.k8s\.io/v1/priorityclasses/([^/]+)$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 _REASONS = {
@@ -116,6 +124,8 @@ class FakeKubernetes:
     calls: list[Call] = field(default_factory=list)
     deployments: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    budgets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    priority_classes: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: list[_Failure] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     version: int = 1000
@@ -234,6 +244,25 @@ class FakeKubernetes:
                 return 200, self._patch_pod(ns, name, self._patch_body(call))
             if method == "DELETE":
                 return 200, self._delete_pod(ns, name)
+        elif match := _BUDGETS.match(call.path):
+            (ns,) = match.groups()
+            if method == "POST":
+                return 201, self._create_budget(ns, self._json_body(call))
+        elif match := _BUDGET.match(call.path):
+            ns, name = match.groups()
+            if method == "GET":
+                return 200, self._named(self.budgets, (ns, name), "poddisruptionbudgets", "policy")
+            if method == "DELETE":
+                obj = self._named(self.budgets, (ns, name), "poddisruptionbudgets", "policy")
+                del self.budgets[ns, name]
+                return 200, obj
+        elif _PRIORITY_CLASSES.match(call.path):
+            if method == "POST":
+                return 201, self._create_priority_class(self._json_body(call))
+        elif match := _PRIORITY_CLASS.match(call.path):
+            (name,) = match.groups()
+            if method == "GET":
+                return 200, self._named(self.priority_classes, name, "priorityclasses", "scheduling.k8s.io")
         else:
             raise _Error(404, "the server could not find the requested resource")
         raise _Error(405, f"{method} is not supported on {call.path}")
@@ -395,3 +424,51 @@ class FakeKubernetes:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         pod["metadata"] = {**pod["metadata"], "deletionTimestamp": now}
         return pod
+
+    # --- PodDisruptionBudgets and PriorityClasses: stored, nothing more --------------------
+
+    @staticmethod
+    def _named(store: dict[Any, dict[str, Any]], key: Any, kind: str, group: str) -> dict[str, Any]:
+        obj = store.get(key)
+        if obj is None:
+            name = key[-1] if isinstance(key, tuple) else key
+            raise _Error(
+                404,
+                f'{kind}.{group} "{name}" not found',
+                details={"name": name, "group": group, "kind": kind},
+            )
+        return obj
+
+    def _create_budget(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        if (body.get("apiVersion"), body.get("kind")) != ("policy/v1", "PodDisruptionBudget"):
+            raise _Error(400, "expected a policy/v1 PodDisruptionBudget")
+        name = body["metadata"]["name"]
+        if body["metadata"].get("namespace", ns) != ns:
+            raise _Error(400, "the namespace of the object does not match the namespace on the request")
+        spec = body.get("spec") or {}
+        if ("minAvailable" in spec) == ("maxUnavailable" in spec) or not spec.get("selector"):
+            raise _Error(422, f'PodDisruptionBudget.policy "{name}" is invalid')
+        if (ns, name) in self.budgets:
+            raise _Error(409, f'poddisruptionbudgets.policy "{name}" already exists')
+        obj = copy.deepcopy(body)
+        obj["metadata"] = {
+            **obj["metadata"],
+            **self._new_metadata(ns, name, obj["metadata"].get("labels") or {}),
+        }
+        self.budgets[ns, name] = obj
+        return obj
+
+    def _create_priority_class(self, body: dict[str, Any]) -> dict[str, Any]:
+        if (body.get("apiVersion"), body.get("kind")) != ("scheduling.k8s.io/v1", "PriorityClass"):
+            raise _Error(400, "expected a scheduling.k8s.io/v1 PriorityClass")
+        name = body["metadata"]["name"]
+        if not isinstance(body.get("value"), int) or body["value"] > 1_000_000_000:
+            raise _Error(422, f'PriorityClass.scheduling.k8s.io "{name}" is invalid: value')
+        if name in self.priority_classes:
+            raise _Error(409, f'priorityclasses.scheduling.k8s.io "{name}" already exists')
+        obj = copy.deepcopy(body)
+        metadata = self._new_metadata("", name, obj["metadata"].get("labels") or {})
+        metadata.pop("namespace")
+        obj["metadata"] = {**obj["metadata"], **metadata}
+        self.priority_classes[name] = obj
+        return obj

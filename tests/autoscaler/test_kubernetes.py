@@ -34,6 +34,10 @@ NAME = "tm-worker-llama-3-1-8b-instruct-prod"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
 DEPLOYMENT = f"{DEPLOYMENTS}/{NAME}"
 SCALE = f"{DEPLOYMENT}/scale"
+BUDGETS = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets"
+BUDGET = f"{BUDGETS}/{NAME}"
+PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
+PRIORITY_CLASS = f"{PRIORITY_CLASSES}/tokenmill-worker"
 
 
 def pod_path(name: str) -> str:
@@ -53,7 +57,9 @@ GPU_TEMPLATE: dict[str, Any] = {
     "spec": {
         "serviceAccountName": "tokenmill-worker",
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 600,
+        "priorityClassName": "tokenmill-worker",
+        # TOKENMILL_MAX_STREAM_SECONDS (600 by default) and a minute to say goodbye.
+        "terminationGracePeriodSeconds": 660,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 10001,
@@ -80,17 +86,26 @@ GPU_TEMPLATE: dict[str, Any] = {
                     {"name": "TOKENMILL_WORKER_HOST", "value": "0.0.0.0"},
                     {"name": "TOKENMILL_WORKER_PORT", "value": "8080"},
                     {"name": "TOKENMILL_HOME", "value": "/var/lib/tokenmill"},
+                    {"name": "TOKENMILL_MODEL_CACHE", "value": "/var/lib/tokenmill/models"},
+                    {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": "600"},
                     {"name": "HOME", "value": "/var/lib/tokenmill"},
                     {"name": "TOKENMILL_GPU_TYPE", "value": "a100-80gb"},
                 ],
                 "envFrom": [{"secretRef": {"name": "tokenmill-worker"}}],
                 "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}],
-                "startupProbe": {**PROBE, "periodSeconds": 10, "failureThreshold": 60},
+                "startupProbe": {**PROBE, "periodSeconds": 10, "failureThreshold": 120},
                 "readinessProbe": {**PROBE, "periodSeconds": 5, "failureThreshold": 3},
-                "livenessProbe": {**PROBE, "periodSeconds": 10, "failureThreshold": 6},
+                # Not /ready: a busy or draining worker is not killed for a slow answer.
+                "livenessProbe": {
+                    "tcpSocket": {"port": "http"},
+                    "periodSeconds": 10,
+                    "timeoutSeconds": 5,
+                    "failureThreshold": 6,
+                },
+                # a100-80gb is not in TOKENMILL_WORKER_RESOURCES here: the default share of one GPU.
                 "resources": {
-                    "limits": {"nvidia.com/gpu": "1", "memory": "32Gi"},
-                    "requests": {"cpu": "4", "memory": "32Gi"},
+                    "limits": {"nvidia.com/gpu": "1", "memory": "12288Mi", "ephemeral-storage": "50Gi"},
+                    "requests": {"cpu": "3000m", "memory": "12288Mi", "ephemeral-storage": "50Gi"},
                 },
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
@@ -99,11 +114,16 @@ GPU_TEMPLATE: dict[str, Any] = {
                 },
                 "volumeMounts": [
                     {"name": "state", "mountPath": "/var/lib/tokenmill"},
+                    {"name": "model-cache", "mountPath": "/var/lib/tokenmill/models"},
                     {"name": "tmp", "mountPath": "/tmp"},
                 ],
             }
         ],
-        "volumes": [{"name": "state", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
+        "volumes": [
+            {"name": "state", "emptyDir": {}},
+            {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
         "nodeSelector": {"tokenmill.dev/gpu-type": "a100-80gb"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
@@ -140,6 +160,34 @@ def gpu_manifest(replicas: int) -> dict[str, Any]:
             },
         }
     )
+
+
+SELECTOR = {"app.kubernetes.io/name": "tokenmill-worker", "tokenmill.dev/deployment": "dep_01hzx3k9"}
+GPU_BUDGET = {
+    "apiVersion": "policy/v1",
+    "kind": "PodDisruptionBudget",
+    "metadata": {"name": NAME, "namespace": NS, "labels": LABELS},
+    "spec": {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": SELECTOR},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+    },
+}
+WORKER_PRIORITY_CLASS = {
+    "apiVersion": "scheduling.k8s.io/v1",
+    "kind": "PriorityClass",
+    "metadata": {
+        "name": "tokenmill-worker",
+        "labels": {
+            "app.kubernetes.io/part-of": "tokenmill",
+            "app.kubernetes.io/managed-by": "tokenmill-autoscaler",
+        },
+    },
+    "value": 100000,
+    "globalDefault": False,
+    "preemptionPolicy": "Never",
+    "description": "Tokenmill workers: scheduled first and evicted last, never preempting.",
+}
 
 
 def victim_patch() -> dict[str, Any]:
@@ -180,8 +228,20 @@ async def created(fake: FakeKubernetes, provider: KubernetesProvider, replicas: 
 async def test_first_scale_creates_the_deployment(fake: FakeKubernetes, provider: KubernetesProvider) -> None:
     await provider.scale(GPU, 2)
 
-    assert calls(fake) == [("GET", DEPLOYMENT, None), ("POST", DEPLOYMENTS, gpu_manifest(2))]
+    # The PriorityClass first (pods naming a missing one are refused), the budget beside.
+    assert calls(fake) == [
+        ("GET", PRIORITY_CLASS, None),
+        ("POST", PRIORITY_CLASSES, WORKER_PRIORITY_CLASS),
+        ("GET", DEPLOYMENT, None),
+        ("POST", DEPLOYMENTS, gpu_manifest(2)),
+        ("POST", BUDGETS, GPU_BUDGET),
+    ]
     assert all(c.authorization == f"Bearer {TOKEN}" for c in fake.calls)
+    assert (
+        fake.budgets[NS, NAME]["spec"]["selector"]["matchLabels"]
+        == gpu_manifest(2)["spec"]["selector"]["matchLabels"]
+    )
+    assert fake.priority_classes["tokenmill-worker"]["preemptionPolicy"] == "Never"
     stored = fake.deployments[NS, NAME]
     assert stored["spec"]["replicas"] == 2
     assert stored["metadata"]["uid"] and stored["metadata"]["resourceVersion"]
@@ -285,9 +345,9 @@ async def test_remove_deletes_the_deployment(fake: FakeKubernetes, provider: Kub
 
     await provider.remove(GPU.deployment_id)
 
-    assert calls(fake) == [("DELETE", DEPLOYMENT, None)]
+    assert calls(fake) == [("DELETE", DEPLOYMENT, None), ("DELETE", BUDGET, None)]
     assert fake.calls[0].query == {"propagationPolicy": "Background"}
-    assert (NS, NAME) not in fake.deployments
+    assert (NS, NAME) not in fake.deployments and (NS, NAME) not in fake.budgets
 
     # Forgotten now: found by its label, and there is nothing left to delete.
     fake.calls.clear()
@@ -314,6 +374,7 @@ async def test_a_new_provider_finds_deployments_by_label(
         ("GET", DEPLOYMENTS, {"labelSelector": "tokenmill.dev/deployment=dep_unknown"}),
         ("GET", DEPLOYMENTS, by_label),
         ("DELETE", DEPLOYMENT, {"propagationPolicy": "Background"}),
+        ("DELETE", BUDGET, {}),
     ]
 
 
@@ -346,9 +407,14 @@ async def test_conflict_on_create_carries_on_with_the_existing_one(
     await provider.scale(GPU, 2)
 
     assert calls(fake) == [
+        ("GET", PRIORITY_CLASS, None),
+        ("POST", PRIORITY_CLASSES, WORKER_PRIORITY_CLASS),
         ("GET", DEPLOYMENT, None),
         ("POST", DEPLOYMENTS, gpu_manifest(2)),
         ("GET", DEPLOYMENT, None),
+        # Theirs had no budget yet: ours is added.
+        ("GET", BUDGET, None),
+        ("POST", BUDGETS, GPU_BUDGET),
         ("PATCH", SCALE, {"spec": {"replicas": 2}}),
     ]
     assert fake.deployments[NS, NAME]["spec"]["replicas"] == 2
@@ -393,7 +459,10 @@ def test_cpu_manifest_has_no_gpu_keys() -> None:
     container = pod["containers"][0]
     assert manifest["metadata"]["name"] == "tm-worker-smollm2-cpu"
     assert "nodeSelector" not in pod and "tolerations" not in pod
-    assert container["resources"] == {"limits": {"memory": "8Gi"}, "requests": {"cpu": "2", "memory": "8Gi"}}
+    assert container["resources"] == {
+        "limits": {"memory": "8192Mi", "ephemeral-storage": "20Gi"},
+        "requests": {"cpu": "2000m", "memory": "8192Mi", "ephemeral-storage": "20Gi"},
+    }
     assert [e["name"] for e in container["env"]] == [
         "TOKENMILL_DEPLOYMENT_ID",
         "TOKENMILL_WORKER_ID",
@@ -401,6 +470,8 @@ def test_cpu_manifest_has_no_gpu_keys() -> None:
         "TOKENMILL_WORKER_HOST",
         "TOKENMILL_WORKER_PORT",
         "TOKENMILL_HOME",
+        "TOKENMILL_MODEL_CACHE",
+        "TOKENMILL_MAX_STREAM_SECONDS",
         "HOME",
     ]
     assert "nvidia.com/gpu" not in json.dumps(manifest)
@@ -419,10 +490,13 @@ def test_options_override_cpu_and_memory() -> None:
         manifest = worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET)
         return manifest["spec"]["template"]["spec"]["containers"][0]["resources"]
 
-    assert resources(cpu) == {"limits": {"memory": "2Gi"}, "requests": {"cpu": "1", "memory": "2Gi"}}
+    assert resources(cpu) == {
+        "limits": {"memory": "2Gi", "ephemeral-storage": "20Gi"},
+        "requests": {"cpu": "1", "memory": "2Gi", "ephemeral-storage": "20Gi"},
+    }
     assert resources(gpu) == {
-        "limits": {"nvidia.com/gpu": "1", "memory": "120Gi"},
-        "requests": {"cpu": "16", "memory": "120Gi"},
+        "limits": {"nvidia.com/gpu": "1", "memory": "120Gi", "ephemeral-storage": "50Gi"},
+        "requests": {"cpu": "16", "memory": "120Gi", "ephemeral-storage": "50Gi"},
     }
 
 
@@ -446,3 +520,124 @@ def test_names_are_slugged_and_at_most_63_characters() -> None:
 
     # No letter or digit at all: the hash alone keeps the name valid.
     assert name("!!!") == f"tm-worker-{digest}"
+
+
+# --- sizes per GPU type, disruption budgets, probes and the grace period ---------------------
+
+A10G_SHARE = {"cpu_millis": 7500, "memory_mib": 28672, "ephemeral_gib": 80, "model_cache_gib": 60}
+
+
+def test_gpu_workers_ask_their_gpu_types_share_times_their_gpus() -> None:
+    resources = {"a10g": A10G_SHARE}
+    one = WorkerSpec("dep_a", "one", "store:m", gpu_type="a10g")
+    four = WorkerSpec("dep_b", "four", "store:m", gpu_type="a10g", options={"gpus": 4})
+
+    def pod(spec: WorkerSpec) -> dict[str, Any]:
+        manifest = worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET, resources=resources)
+        return manifest["spec"]["template"]["spec"]
+
+    assert pod(one)["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": "1", "memory": "28672Mi", "ephemeral-storage": "80Gi"},
+        "requests": {"cpu": "7500m", "memory": "28672Mi", "ephemeral-storage": "80Gi"},
+    }
+    big = pod(four)
+    assert big["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": "4", "memory": "114688Mi", "ephemeral-storage": "320Gi"},
+        "requests": {"cpu": "30000m", "memory": "114688Mi", "ephemeral-storage": "320Gi"},
+    }
+    cache = next(v for v in big["volumes"] if v["name"] == "model-cache")
+    # The model cache (60 GiB a GPU) lives inside the pod's ephemeral-storage request (80 a GPU).
+    assert cache == {"name": "model-cache", "emptyDir": {"sizeLimit": "240Gi"}}
+
+
+@pytest.mark.parametrize("gpus", [0, -1, "two", 1.5, True])
+def test_a_bad_gpu_count_is_refused(gpus: object) -> None:
+    spec = WorkerSpec("dep_a", "bad", "store:m", gpu_type="a10g", options={"gpus": gpus})
+    with pytest.raises(ValueError, match="gpus"):
+        worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET)
+
+
+def test_unknown_share_keys_are_refused() -> None:
+    spec = WorkerSpec("dep_a", "x", "store:m", gpu_type="a10g")
+    with pytest.raises(ValueError, match="unknown keys"):
+        worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET, resources={"a10g": {"gpu_mib": 1}})
+
+
+def test_liveness_and_readiness_are_distinct_probes() -> None:
+    container = gpu_manifest(1)["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "httpGet" not in container["livenessProbe"] and container["livenessProbe"]["tcpSocket"]
+    assert container["livenessProbe"] != container["readinessProbe"]
+    # A slow model load is the startup probe's business, not the liveness probe's.
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
+
+
+@pytest.mark.parametrize("max_stream", [300, 600, 1800])
+def test_the_grace_period_outlasts_the_longest_stream(max_stream: int) -> None:
+    manifest = worker_manifest(
+        GPU, 1, namespace=NS, image=IMAGE, secret=SECRET, max_stream_seconds=max_stream
+    )
+    pod = manifest["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == max_stream + 60
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    # The worker's own graceful timeout follows TOKENMILL_MAX_STREAM_SECONDS.
+    assert env["TOKENMILL_MAX_STREAM_SECONDS"] == str(max_stream)
+    from tokenmill.settings import Settings
+
+    assert (
+        Settings(max_stream_seconds=max_stream).graceful_shutdown_seconds
+        < pod["terminationGracePeriodSeconds"]
+    )
+
+
+async def test_a_new_provider_adds_the_missing_budget_of_an_existing_deployment(fake: FakeKubernetes) -> None:
+    fake.add_deployment(gpu_manifest(2))  # made by an autoscaler that made no budgets
+    fake.priority_classes["tokenmill-worker"] = copy.deepcopy(WORKER_PRIORITY_CLASS)
+    provider = make_provider(fake)
+    try:
+        await provider.scale(GPU, 2)
+        await provider.scale(GPU, 3)
+    finally:
+        await provider.close()
+
+    assert calls(fake) == [
+        ("GET", PRIORITY_CLASS, None),  # there already: not created again
+        ("GET", DEPLOYMENT, None),
+        ("GET", BUDGET, None),
+        ("POST", BUDGETS, GPU_BUDGET),
+        ("GET", DEPLOYMENT, None),  # the budget is known now: read once per provider
+        ("PATCH", SCALE, {"spec": {"replicas": 3}}),
+    ]
+
+
+async def test_another_replica_creating_the_budget_first_is_fine(fake: FakeKubernetes) -> None:
+    provider = make_provider(fake)
+    fake.fail_next("POST", BUDGETS, 409, f'poddisruptionbudgets.policy "{NAME}" already exists')
+    try:
+        await provider.scale(GPU, 1)
+    finally:
+        await provider.close()
+    assert ("POST", BUDGETS, GPU_BUDGET) in calls(fake)
+    assert fake.deployments[NS, NAME]["spec"]["replicas"] == 1
+
+
+async def test_provider_passes_its_sizes_and_stream_limit_to_the_manifest(fake: FakeKubernetes) -> None:
+    configuration = client.Configuration(
+        host=fake.url, api_key={"authorization": TOKEN}, api_key_prefix={"authorization": "Bearer"}
+    )
+    provider = KubernetesProvider(
+        client.ApiClient(configuration),
+        namespace=NS,
+        image=IMAGE,
+        secret=SECRET,
+        resources={"a100-80gb": A10G_SHARE},
+        max_stream_seconds=900,
+    )
+    try:
+        await provider.scale(GPU, 1)
+    finally:
+        await provider.close()
+    pod = fake.deployments[NS, NAME]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 960
+    assert pod["containers"][0]["resources"]["requests"]["cpu"] == "7500m"

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -19,7 +20,7 @@ from autoscaler.reconciler import Reconciler, desired_deployments, policy_config
 from control_plane.models import Deployment, Model
 from tokenmill.bus import MemoryBus
 from tokenmill.db import Base, make_engine, make_sessionmaker
-from tokenmill.protocol import DEMAND, WORKERS, Demand, Heartbeat, WorkerDeparture
+from tokenmill.protocol import DEMAND, WORKERS, Demand, Heartbeat, WorkerDeparture, WorkerEvent
 
 
 @dataclass
@@ -137,16 +138,46 @@ async def test_silent_workers_are_replaced(db: async_sessionmaker[AsyncSession])
     dep = await _deployment(db, "chat", 1, 1)
     provider = Recorder(counts={dep: 1})
     rec = _reconciler(db, provider)
-    rec.table.apply(_beat(dep, "w1"))
+    last = _beat(dep, "w1")
+    rec.table.apply(last)
     rec.table.workers["w1"].seen -= 10  # no heartbeat for 10 s (timeout 3 s)
     await rec.tick()
     assert ("replace", dep, "w1") in provider.calls
     assert "w1" not in rec.table.workers
+    # its departure is announced for it: lost, at its last heartbeat (its lifetime's end)
+    said = [
+        msgspec.json.decode(raw, type=WorkerEvent) for _, raw in await rec.bus.read(WORKERS, "0", block=0)
+    ]
+    assert said == [WorkerDeparture("w1", dep, ts=last.ts, lost=True)]
     # A worker that said goodbye is simply gone, not replaced by `replace`.
     rec.table.apply(_beat(dep, "w2"))
     rec.table.apply(WorkerDeparture("w2", dep))
     await rec.tick()
     assert ("replace", dep, "w2") not in provider.calls
+
+
+async def test_a_departure_the_bus_refused_is_announced_later(db: async_sessionmaker[AsyncSession]) -> None:
+    class Down(MemoryBus):
+        down = True
+
+        async def publish(self, stream: str, event: object) -> str:
+            if self.down:
+                raise ConnectionError("Redis is down")
+            return await super().publish(stream, event)  # type: ignore[arg-type]
+
+    dep = await _deployment(db, "chat", 1, 1)
+    provider = Recorder(counts={dep: 1})
+    bus = Down()
+    rec = Reconciler(bus, db, provider, SoleLease(), interval=0.1, worker_timeout=3.0)
+    rec.table.apply(_beat(dep, "w1"))
+    rec.table.workers["w1"].seen -= 10
+    await rec.tick()  # the tick goes on without it
+    assert ("replace", dep, "w1") in provider.calls and await bus.read(WORKERS, "0", block=0) == []
+    bus.down = False
+    await rec.tick()
+    said = [msgspec.json.decode(raw, type=WorkerEvent) for _, raw in await bus.read(WORKERS, "0", block=0)]
+    assert [(d.worker_id, d.lost) for d in said] == [("w1", True)]  # type: ignore[union-attr]
+    assert provider.calls.count(("replace", dep, "w1")) == 1  # replaced once, not again
 
 
 async def test_stopped_deployments_lose_their_workers(db: async_sessionmaker[AsyncSession]) -> None:

@@ -157,6 +157,40 @@ async def test_only_genuine_recent_events_are_accepted(hook: Hook) -> None:
     assert r.status_code == 200
 
 
+async def test_signatures_dated_in_the_future_are_refused(hook: Hook) -> None:
+    """The SDK checks only that a signature is not too old: one post-dated an hour (a signer's
+    clock far ahead, or a replay prepared in advance) would stay valid for that hour."""
+    ev = event("customer.updated", "in_future")
+    now = int(time.time())
+    for ahead in (3600, 301):
+        r = await hook.send(ev, timestamp=now + ahead)
+        assert r.status_code == 400, (ahead, r.text)
+        assert r.json()["error"] == {
+            "message": "Invalid Stripe webhook: Timestamp outside the tolerance zone (in the future)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_signature",
+        }
+    async with hook.sm() as s:
+        assert (await s.scalars(select(StripeWebhookEvent))).all() == []
+    # A clock a little ahead of ours is within the tolerance, as Stripe's is.
+    assert (await hook.send(ev, timestamp=now + 60)).status_code == 200
+
+
+async def test_undecodable_signed_bodies_are_400s(hook: Hook) -> None:
+    """Correctly signed, so they reach the JSON decoding: never a 500."""
+    ev = event("customer.updated", "in_1")
+    bodies = {
+        "invalid UTF-8 in a string": b'{"id": "evt_1", "type": "x\xff"}',
+        "10,000 levels deep": b'{"id": "evt_1", "type": "x", "data": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        "truncated": json.dumps(ev).encode()[:-7],
+    }
+    for why, body in bodies.items():
+        r = await hook.send(ev, body=body)
+        assert r.status_code == 400, (why, r.status_code, r.text)
+        assert r.json()["error"]["code"] == "invalid_signature", why
+
+
 async def test_unconfigured_webhooks_answer_503(hook: Hook) -> None:
     hook.app.state.settings.stripe_webhook_secret = None
     r = await hook.send(event("invoice.paid", "in_1"))

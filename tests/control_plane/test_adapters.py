@@ -5,12 +5,15 @@ behind. Stored on a local directory, and once on S3 (moto's server)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import pytest
@@ -290,3 +293,155 @@ async def test_upload_into_s3(
             assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
     finally:
         server.stop()
+
+
+# --- bounded uploads ---------------------------------------------------------------------
+
+
+class Body:
+    """A multipart body sent as it is produced (the client never holds a large part)."""
+
+    BOUNDARY = "tokenmill-test-boundary"
+
+    def __init__(self, parts: list[tuple[str, str | None, int | bytes]]) -> None:
+        self.parts = parts  # (field, file name or None, content or a size of zeros)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"content-type": f"multipart/form-data; boundary={self.BOUNDARY}"}
+
+    async def __aiter__(self) -> Any:
+        for field, filename, content in self.parts:
+            disposition = f'form-data; name="{field}"' + (f'; filename="{filename}"' if filename else "")
+            yield f"--{self.BOUNDARY}\r\ncontent-disposition: {disposition}\r\n\r\n".encode()
+            if isinstance(content, bytes):
+                yield content
+            else:
+                chunk = bytes(1 << 20)
+                for start in range(0, content, len(chunk)):
+                    yield chunk[: min(len(chunk), content - start)]
+            yield b"\r\n"
+        yield f"--{self.BOUNDARY}--\r\n".encode()
+
+
+async def post_streamed(env: AdminEnv, body: Body) -> Any:
+    url = f"{API}/organizations/{env.default_org}/adapters"
+    return await env.client.post(url, headers=env.root | body.headers, content=body)
+
+
+@pytest.fixture
+async def sqlite_env(tmp_path: Path, model_cache: Path, sqlite_url: str) -> Any:
+    async with make_admin_env(tmp_path, model_cache, sqlite_url) as env:
+        yield env
+
+
+async def test_a_huge_text_field_is_refused_before_it_is_read(sqlite_env: AdminEnv) -> None:
+    """The field that grew a server by 400 MB: a client announces 400 MB, sends its first
+    MiB and waits. The answer comes then, so nothing waited for (or kept) the rest."""
+    env = sqlite_env
+    url = urlsplit(str(env.client.base_url))
+    head = f'--{Body.BOUNDARY}\r\ncontent-disposition: form-data; name="name"\r\n\r\n'.encode()
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        request = (
+            f"POST {API}/organizations/{env.default_org}/adapters HTTP/1.1\r\nhost: {url.hostname}\r\n"
+            f"authorization: {env.root['authorization']}\r\n"
+            f"content-type: {Body([]).headers['content-type']}\r\ncontent-length: {400 << 20}\r\n\r\n"
+        )
+        writer.write(request.encode() + head + b"a" * (1 << 20))
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        length = re.search(rb"content-length: *(\d+)", answer, re.IGNORECASE)
+        assert length, answer
+        body = json.loads(await reader.readexactly(int(length[1])))
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 413 "), answer
+    assert body["error"]["message"] == "Form field 'name' is larger than 4096 bytes."
+    assert body["error"]["param"] == "name"
+    assert await counts(env) == (0, 0)
+
+
+async def test_weights_are_bounded_by_the_largest_adapter_the_base_model_takes(
+    sqlite_env: AdminEnv,
+) -> None:
+    env = sqlite_env
+    env.settings.max_lora_rank = 4
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    largest = lora_files(rank=4, targets=modules)  # every projection of every layer, float32
+    # A and B of each projection hold rank * (in + out) floats; the header gets 64 KiB plus
+    # 256 bytes a tensor.
+    h, q, kv, mlp = SMOL["hidden"], SMOL["q"], SMOL["kv"], SMOL["intermediate"]
+    in_out = (h + q) + 2 * (h + kv) + (q + h) + 3 * (h + mlp)
+    tensors = SMOL["layers"] * len(modules) * 2
+    limit = 8 + 64 * 1024 + 256 * tensors + SMOL["layers"] * in_out * 4 * 4
+    assert limit - (64 * 1024 + 256 * tensors) < len(largest[WEIGHTS]) <= limit
+    # The largest valid one passes ...
+    r = await env.upload(env.default_org, env.root, largest, name="largest")
+    assert r.status_code == 201, r.text
+    # ... and anything longer is refused as it arrives, naming the limit.
+    body = Body(
+        [
+            ("name", None, b"too-big"),
+            ("model", None, MODEL.encode()),
+            ("file", CONFIG, largest[CONFIG]),
+            ("file", WEIGHTS, limit + (200 << 20)),
+        ]
+    )
+    message = error(await post_streamed(env, body), 413, WEIGHTS)
+    assert message == (
+        f"File '{WEIGHTS}' is larger than {limit} bytes, the largest valid adapter for {MODEL} at rank 4."
+    )
+    # With a Content-Length announcing more than any valid upload, before the file is read.
+    big = {CONFIG: largest[CONFIG], WEIGHTS: largest[WEIGHTS] + bytes(2 << 20)}
+    r = await env.upload(env.default_org, env.root, big, name="announced")
+    assert r.status_code == 413 and "The upload is larger than" in r.json()["error"]["message"], r.text
+    assert await counts(env) == (1, 1)
+
+
+async def test_upload_parts_in_order_and_no_more_than_needed(
+    sqlite_env: AdminEnv, good_adapter: dict[str, bytes]
+) -> None:
+    env = sqlite_env
+    cases: list[tuple[list[tuple[str, str | None, int | bytes]], int, str | None, str]] = [
+        # the weights' limit depends on the model: it must come first
+        (
+            [("name", None, b"x"), ("file", CONFIG, good_adapter[CONFIG]), ("file", WEIGHTS, 100)],
+            400,
+            "model",
+            "Send the 'model' field before adapter_model.safetensors",
+        ),
+        (
+            [("name", None, b"x"), ("model", None, MODEL.encode()), ("file", "notes.txt", b"hi")],
+            400,
+            "file",
+            "Unexpected file 'notes.txt'.",
+        ),
+        (
+            [("model", None, MODEL.encode()), ("file", CONFIG, (1 << 20) + 1)],
+            413,
+            CONFIG,
+            f"File '{CONFIG}' is larger than 1048576 bytes.",
+        ),
+        (
+            [("model", None, MODEL.encode())] + [(f"f{i}", None, b"x") for i in range(16)],
+            413,
+            None,
+            "The multipart body exceeds a limit",
+        ),
+        (
+            [("model", None, b"no-such-model"), ("file", CONFIG, good_adapter[CONFIG])],
+            400,
+            "model",
+            "No model 'no-such-model'.",
+        ),
+    ]
+    for parts, status, param, says in cases:
+        message = error(await post_streamed(env, Body(parts)), status, param)
+        assert message.startswith(says), message
+    # A truncated body is malformed, not a 500.
+    url = f"{API}/organizations/{env.default_org}/adapters"
+    raw = b"".join([chunk async for chunk in Body([("name", None, b"x"), ("model", None, MODEL.encode())])])
+    r = await env.client.post(url, headers=env.root | Body([]).headers, content=raw[:-20])
+    assert "The multipart body is malformed" in error(r, 400, None)
+    assert await counts(env) == (0, 0) and list(env.storage.list("adapters/")) == []

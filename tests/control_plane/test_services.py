@@ -146,3 +146,27 @@ async def test_worker_lifetimes_recorded(migrated_db: async_sessionmaker[AsyncSe
     assert w1.deployment_id == dep and w1.status == "stopped"
     assert (w1.stopped_at - w1.started_at).total_seconds() == pytest.approx(10, abs=0.01)
     assert w2.deployment_id is None and w2.stopped_at is None
+
+
+async def test_a_lost_worker_s_lifetime_ends_at_its_last_heartbeat(
+    migrated_db: async_sessionmaker[AsyncSession],
+) -> None:
+    """Killed (SIGKILL) without a goodbye: the reconciler's departure for it closes the row."""
+    boot = await bootstrap(
+        migrated_db, secret_key=SECRET, model_name="m", model_source="x", model_format="hf", context_length=64
+    )
+    dep = boot.deployment.id
+    lifetimes = WorkerLifetimes(bus=None, sessionmaker=migrated_db, consumer="t")  # type: ignore[arg-type]
+    t0 = time.time()
+    await lifetimes.apply([WorkerAnnounce(worker_id="w1", deployment_id=dep, address="a", model="m", ts=t0)])
+    # heartbeats each second; last_seen_at is only written every few seconds of them
+    for i in range(1, 8):
+        await lifetimes.apply(
+            [Heartbeat(worker_id="w1", deployment_id=dep, address="a", model="m", ts=t0 + i)]
+        )
+    await lifetimes.apply([WorkerDeparture(worker_id="w1", deployment_id=dep, ts=t0 + 7, lost=True)])
+    async with migrated_db() as s:
+        w1 = await s.get(Worker, "w1")
+    assert w1 is not None and w1.status == "lost"
+    assert w1.stopped_at == w1.last_seen_at
+    assert (w1.stopped_at - w1.started_at).total_seconds() == pytest.approx(7, abs=0.01)

@@ -34,6 +34,7 @@ from tokenmill.bus import (
 )
 from tokenmill.internal import internal_router
 from tokenmill.settings import Settings
+from tokenmill.spool import OUTAGE_ERRORS
 
 BusFactory = Callable[..., EventBus]
 
@@ -436,13 +437,50 @@ async def test_factories(redis_url: str) -> None:
     assert isinstance(pub, HttpPublisher)
     await pub.close()
 
-    with_redis = Settings(redis_url=redis_url)
+    with_redis = Settings(redis_url=redis_url, redis_timeout_seconds=1.5)
     bus = make_bus(with_redis, maxlen=5)
     assert isinstance(bus, RedisBus)
+    # bounded calls; blocking reads (up to max_block) have a client whose timeout covers them
+    kwargs = bus.redis.connection_pool.connection_kwargs
+    assert (kwargs["socket_connect_timeout"], kwargs["socket_timeout"]) == (1.5, 1.5)
+    assert bus._blocking.connection_pool.connection_kwargs["socket_timeout"] == bus._max_block + 1.5
     await bus.close()
     pub = make_publisher(with_redis)
     assert isinstance(pub, RedisBus)
+    assert pub.redis.connection_pool.connection_kwargs["socket_timeout"] is not None
     await pub.close()
+
+
+async def test_a_redis_that_never_answers_is_an_outage_within_the_timeout() -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    bus = RedisBus.from_url(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0", timeout=0.3)
+    try:
+        for call, bound in (
+            (lambda: bus.publish("s", {"a": 1}), 0.3),
+            (lambda: bus.read("s", "0-0", block=0), 0.3),
+            (lambda: bus.read("s", "0-0", block=0.5), 0.3 + bus._max_block),
+        ):
+            started = time.monotonic()
+            with pytest.raises(OUTAGE_ERRORS):
+                await call()
+            assert time.monotonic() - started < bound + 1.0
+    finally:
+        await bus.close()
+        server.close()
+
+
+async def test_a_long_blocking_read_is_not_a_timeout(redis_url: str, new_stream: Callable[[], str]) -> None:
+    bus = RedisBus.from_url(redis_url, timeout=0.3, max_block=1.0)
+    try:
+        started = time.monotonic()
+        assert await bus.read(new_stream(), "$", block=1.0) == []  # blocks 1 s > the 0.3 s timeout
+        assert time.monotonic() - started >= 0.9
+    finally:
+        await bus.close()
 
 
 def test_parse_id() -> None:

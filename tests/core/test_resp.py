@@ -1,7 +1,8 @@
 """The lean Redis client of the request path (tokenmill/resp.py), against a real Redis.
 
 Keys and streams are random per test and deleted afterwards, so these run against a
-shared Redis database.
+shared Redis database. The reply timeout is tried against a server that never answers and
+against a real Redis kept busy by a script.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -18,7 +20,25 @@ from redis.asyncio import Redis
 
 from tokenmill.bus import FIELD, RedisBus
 from tokenmill.protocol import UsageRecord
-from tokenmill.resp import RespClient, RespConnectionError, ResponseError, RespPublisher, encode
+from tokenmill.resp import (
+    RespClient,
+    RespConnectionError,
+    ResponseError,
+    RespPublisher,
+    RespTimeoutError,
+    encode,
+)
+from tokenmill.spool import OUTAGE_ERRORS
+
+# Keeps Redis busy for ARGV[1] milliseconds (Redis serves nobody else meanwhile).
+BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000 + t[2] / 1000
+repeat
+  t = redis.call('TIME')
+until t[1] * 1000 + t[2] / 1000 - start >= tonumber(ARGV[1])
+return 1
+"""
 
 
 @pytest.fixture
@@ -145,3 +165,69 @@ async def test_publisher_writes_what_the_bus_writes(client: RespClient, redis_ur
     finally:
         await plain.delete(stream)
         await bus.close()
+
+
+# --- reply timeouts -----------------------------------------------------------------------------
+
+
+async def test_a_redis_that_never_answers_fails_every_waiter_and_is_dropped() -> None:
+    connections: list[asyncio.Event] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        closed = asyncio.Event()
+        connections.append(closed)
+        await reader.read()  # reads whatever comes, answers nothing, until the client closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    c = RespClient(port=server.sockets[0].getsockname()[1], reply_timeout=0.3)
+    try:
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(c.execute_command("INCR", "k") for _ in range(3)), return_exceptions=True
+        )
+        assert 0.25 < time.monotonic() - started < 1.5
+        for exc in results:
+            assert isinstance(exc, RespTimeoutError), exc
+            # both the connection-error kind and the timeout kind: an outage, wherever it is caught
+            assert isinstance(exc, RespConnectionError) and isinstance(exc, redis.exceptions.TimeoutError)
+            assert isinstance(exc, OUTAGE_ERRORS)
+        await asyncio.wait_for(connections[0].wait(), 2)  # the stuck connection was dropped
+        with pytest.raises(RespTimeoutError):  # the next command reconnects (and waits again)
+            await c.execute_command("PING")
+        assert len(connections) == 2
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_a_busy_redis_is_waited_for_within_the_timeout_only(redis_url: str) -> None:
+    patient = RespClient.from_url(redis_url, reply_timeout=3)
+    hasty = RespClient.from_url(redis_url, reply_timeout=0.3)
+    try:
+        assert await patient.execute_command("EVAL", BUSY, 0, 600) == 1  # 0.6 s: within 3 s
+        await hasty.execute_command("PING")
+        busy = asyncio.ensure_future(patient.execute_command("EVAL", BUSY, 0, 1500))
+        await asyncio.sleep(0.1)  # the script runs: Redis answers nobody else
+        with pytest.raises(RespTimeoutError):
+            await hasty.execute_command("PING")
+        assert await busy == 1
+        assert await hasty.execute_command("PING") == b"PONG"  # reconnected
+    finally:
+        await patient.aclose()
+        await hasty.aclose()
+
+
+async def test_our_own_stalled_loop_is_not_redis_s_silence(redis_url: str) -> None:
+    """A command queued just before our event loop blocks (CPU-bound work) goes out after the
+    stall, when its deadline has long passed: Redis gets a fresh window to answer."""
+    c = RespClient.from_url(redis_url, reply_timeout=0.3)
+    try:
+        await c.execute_command("PING")  # connected
+        pending = asyncio.ensure_future(c.execute_command("PING"))
+        await asyncio.sleep(0)  # queued (not written yet: that happens on the next loop turn)
+        time.sleep(1.0)  # noqa: ASYNC251 - the stall under test
+        assert await pending == b"PONG"
+    finally:
+        await c.aclose()

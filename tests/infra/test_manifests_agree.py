@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from autoscaler.kubernetes import worker_manifest
+from autoscaler.kubernetes import worker_disruption_budget, worker_manifest
 from autoscaler.providers import WorkerSpec
 from tests.infra.terraform_files import TERRAFORM, module_at, run, terraform_binary, terraform_env
 
@@ -52,12 +52,33 @@ SPECS = {
     ),
     "empty_slug": (WorkerSpec("dep_sym", "%%% ***", "bundled:smollm2"), 1),
     "slug_edges": (WorkerSpec("dep_edges", "--Qwen2.5__7B--", "store:q", gpu_type="l40s"), 1),
+    # A GPU type with its share in TOKENMILL_WORKER_RESOURCES, one GPU and four in one pod.
+    "sized_one_gpu": (WorkerSpec("dep_sized1", "Llama 8B", "store:l8", gpu_type="a10g"), 2),
+    "sized_four_gpus": (
+        WorkerSpec("dep_sized4", "Llama 70B", "store:l70", gpu_type="a10g", options={"gpus": 4}),
+        1,
+    ),
+    "partial_share": (WorkerSpec("dep_partial", "L4 model", "store:l4", gpu_type="l4"), 1),
 }
+# TOKENMILL_WORKER_RESOURCES (as modules/worker-sizing computes it) and TOKENMILL_MAX_STREAM_SECONDS.
+RESOURCES = {
+    "a10g": {"cpu_millis": 7500, "memory_mib": 28672, "ephemeral_gib": 80, "model_cache_gib": 60},
+    "l4": {"memory_mib": 26624},  # the other keys take the defaults
+}
+MAX_STREAM = {"sized_four_gpus": 1800}
 
 
 def python_manifest(key: str) -> dict[str, Any]:
     spec, replicas = SPECS[key]
-    return worker_manifest(spec, replicas, namespace=NAMESPACE, image=IMAGE, secret=SECRET)
+    return worker_manifest(
+        spec,
+        replicas,
+        namespace=NAMESPACE,
+        image=IMAGE,
+        secret=SECRET,
+        resources=RESOURCES,
+        max_stream_seconds=MAX_STREAM.get(key, 600),
+    )
 
 
 def _hcl_string(value: str | None) -> str:
@@ -80,6 +101,9 @@ def _module_block(key: str) -> str:
             f"  secret        = {_hcl_string(SECRET)}",
             f"  cpu           = {_hcl_string(spec.options.get('cpu'))}",
             f"  memory        = {_hcl_string(spec.options.get('memory'))}",
+            f"  gpus          = {spec.options.get('gpus', 1)}",
+            f"  share         = {json.dumps(RESOURCES.get(spec.gpu_type or '', {}))}",
+            f"  max_stream_seconds = {MAX_STREAM.get(key, 600)}",
             "}",
         ]
     )
@@ -94,7 +118,11 @@ def terraform_manifests(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     (root / "main.tf").write_text("\n\n".join(_module_block(key) for key in SPECS) + "\n")
     env = terraform_env(root)
     run([binary, "init", "-backend=false", "-input=false", "-no-color"], cwd=root, env=env)
-    expression = "jsonencode({" + ", ".join(f"{k} = module.{k}.manifest" for k in SPECS) + "})"
+    expression = (
+        "jsonencode({"
+        + ", ".join(f"{k} = module.{k}.manifest, {k}_budget = module.{k}.disruption_budget" for k in SPECS)
+        + "})"
+    )
     done = subprocess.run(
         [binary, "console", "-no-color"],
         cwd=root,
@@ -129,8 +157,18 @@ def test_terraform_template_equals_worker_manifest(terraform_manifests: dict[str
     assert ours == theirs
 
 
+@pytest.mark.parametrize("key", list(SPECS))
+def test_terraform_budget_equals_worker_disruption_budget(
+    terraform_manifests: dict[str, Any], key: str
+) -> None:
+    spec, _ = SPECS[key]
+    assert terraform_manifests[f"{key}_budget"] == worker_disruption_budget(spec, namespace=NAMESPACE)
+
+
 def test_names_stay_dns_labels(terraform_manifests: dict[str, Any]) -> None:
     for key, manifest in terraform_manifests.items():
+        if key.endswith("_budget"):
+            continue
         name = manifest["metadata"]["name"]
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, (key, name)
 
@@ -222,17 +260,19 @@ def test_hcl_container(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
     for entry in theirs["env"]:
         if "valueFrom" in entry:
             assert f'fieldPath = "{entry["valueFrom"]["fieldRef"]["fieldPath"]}"' in ours["env"]
+        elif entry["name"] == "TOKENMILL_MAX_STREAM_SECONDS":
+            assert "value = tostring(var.max_stream_seconds)" in ours["env"]
         elif entry["name"] not in ("TOKENMILL_DEPLOYMENT_ID", "TOKENMILL_GPU_TYPE"):
             assert f'value = "{entry["value"]}"' in ours["env"]
-    # resources: the requests literally, the limits' keys from the expression.
+    # resources: the keys; the shares the sizes come from are the Python side's own.
     assert set(ours["resources"]["requests"]) == set(theirs["resources"]["requests"])
-    gpu_defaults = python_manifest("gpu_defaults")["spec"]["template"]["spec"]["containers"][0]["resources"]
-    cpu_defaults = python_manifest("cpu_defaults")["spec"]["template"]["spec"]["containers"][0]["resources"]
-    for key in ("cpu", "memory"):
-        default = f'local.gpu ? "{gpu_defaults["requests"][key]}" : "{cpu_defaults["requests"][key]}"'
-        assert default in _local(hcl, key), key
-    limit_keys = set(re.findall(r'"([\w./]+)" = "1"', ours["resources"]["limits"])) | (
-        {"memory"} if "memory = local.memory" in ours["resources"]["limits"] else set()
+    from autoscaler.kubernetes import CPU_WORKER, DEFAULT_GPU_SHARE
+
+    assert _local(hcl, "default_gpu_share") == DEFAULT_GPU_SHARE
+    assert _local(hcl, "cpu_worker") == CPU_WORKER
+    limits = ours["resources"]["limits"]
+    limit_keys = set(re.findall(r'"([\w./-]+)" = ', limits)) | (
+        {"memory"} if "memory = local.memory" in limits else set()
     )
     assert limit_keys == set(theirs["resources"]["limits"])
 
@@ -240,14 +280,21 @@ def test_hcl_container(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
 def test_hcl_pod(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
     theirs = python_manifest("gpu_with_options")["spec"]["template"]["spec"]
     assert _local(hcl, "pod_security_context") == theirs["securityContext"]
-    assert _local(hcl, "volumes") == theirs["volumes"]
+    volumes = _local(hcl, "volumes")
+    assert [v["name"] for v in volumes] == [v["name"] for v in theirs["volumes"]]
+    assert [v for v in volumes if v["name"] != "model-cache"] == [
+        v for v in theirs["volumes"] if v["name"] != "model-cache"
+    ]
+    cache = next(v for v in volumes if v["name"] == "model-cache")
+    assert cache["emptyDir"]["sizeLimit"] == "${local.units * local.share.model_cache_gib}Gi"
     scheduling = _local(hcl, "gpu_scheduling")
     assert scheduling == {"nodeSelector": theirs["nodeSelector"], "tolerations": theirs["tolerations"]}
     pod_spec = _local(hcl, "pod_spec")  # merge(...) of the literal part and the GPU part
     assert isinstance(pod_spec, Unresolved)
-    for key in ("serviceAccountName", "automountServiceAccountToken", "terminationGracePeriodSeconds"):
+    for key in ("serviceAccountName", "automountServiceAccountToken", "priorityClassName"):
         literal = json.dumps(theirs[key]).lower()
         assert re.search(rf"\b{key} = {re.escape(literal)}", pod_spec), key
+    assert re.search(r"\bterminationGracePeriodSeconds = var.max_stream_seconds \+ 60\b", pod_spec)
     cpu_pod = python_manifest("cpu_defaults")["spec"]["template"]["spec"]
     assert "nodeSelector" not in cpu_pod and "tolerations" not in cpu_pod
     assert "if local.gpu" in pod_spec  # the GPU part is added for GPU deployments only

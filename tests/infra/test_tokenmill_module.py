@@ -59,40 +59,109 @@ def _keys(expression: str) -> set[str]:
     return set(re.findall(r"\b([A-Z][A-Z0-9_]+) = ", expression))
 
 
+SECRET_SETTINGS = {
+    "TOKENMILL_INTERNAL_TOKEN",
+    "TOKENMILL_WORKER_TOKEN",
+    "TOKENMILL_SECRET_KEY",
+    "DATABASE_URL",
+    "REDIS_URL",
+    "TOKENMILL_CELERY_BROKER_URL",
+    "TOKENMILL_STRIPE_API_KEY",
+    "TOKENMILL_STRIPE_WEBHOOK_SECRET",
+    "TOKENMILL_APP_DATABASE_URL",
+}
+
+
+def _component_secrets() -> dict[str, set[str]]:
+    """Secret name -> the environment variables External Secrets renders into it."""
+    found = {}
+    for name, secret in TOKENMILL.locals["component_secrets"].items():
+        data = secret["data"]
+        keys = set(data) if isinstance(data, dict) else _keys(data)
+        found[TOKENMILL.locals["worker_secret"] if name == "${(local.worker_secret)}" else name] = keys
+    return found
+
+
+def _remote_keys(secret: dict[str, Any]) -> set[str]:
+    """The template variables a Secret fetches from Secrets Manager (local.remote's entries)."""
+    remote = TOKENMILL.locals["remote"]
+    names: set[str] = set()
+    for group, user in re.findall(r'local\.remote\.(\w+)(?:\["([\w-]+)"\])?', str(secret["remote"])):
+        entry = remote[group]
+        if user:
+            entry = re.findall(r"(\w+) = \[", entry)  # a for-expression: its keys
+            names |= set(entry)
+        else:
+            names |= set(entry)
+    return names
+
+
 def test_settings_and_secrets_are_real_settings() -> None:
     known = {env for env, _, _ in describe()}
-    for name in ("settings", "app_secret_data", "worker_secret_data"):
-        keys = _keys(TOKENMILL.locals[name])
-        assert keys, name
-        assert keys <= known, f"local.{name}: not Tokenmill settings: {sorted(keys - known)}"
-    required = {
-        "TOKENMILL_INTERNAL_TOKEN",
-        "TOKENMILL_SECRET_KEY",
-        "DATABASE_URL",
-        "REDIS_URL",
-        "TOKENMILL_STORAGE_URL",
-    }
-    assert required <= _keys(TOKENMILL.locals["app_secret_data"])
-    assert {"TOKENMILL_STRIPE_API_KEY", "TOKENMILL_STRIPE_WEBHOOK_SECRET"} <= _keys(
-        TOKENMILL.locals["app_secret_data"]
-    )
-    # What the worker Secret must hold by the contract (autoscaler/kubernetes.py, envFrom).
-    assert {"TOKENMILL_INTERNAL_TOKEN", "REDIS_URL", "TOKENMILL_STORAGE_URL"} <= _keys(
-        TOKENMILL.locals["worker_secret_data"]
-    )
-    # Secrets never go into the ConfigMap.
-    secrets = {
-        "TOKENMILL_INTERNAL_TOKEN",
-        "TOKENMILL_SECRET_KEY",
-        "DATABASE_URL",
-        "REDIS_URL",
-        "TOKENMILL_CELERY_BROKER_URL",
-        "TOKENMILL_STRIPE_API_KEY",
-        "TOKENMILL_STRIPE_WEBHOOK_SECRET",
-    }
-    assert not secrets & _keys(TOKENMILL.locals["settings"])
+    settings = _keys(TOKENMILL.locals["settings"])
+    assert settings and settings <= known, f"not Tokenmill settings: {sorted(settings - known)}"
+    assert not settings & SECRET_SETTINGS, "a secret in the ConfigMap"
+    assert {
+        "TOKENMILL_MAX_STREAM_SECONDS",
+        "TOKENMILL_SHUTDOWN_GRACE_SECONDS",
+        "TOKENMILL_WORKER_RESOURCES",
+    } <= settings
+    secrets = _component_secrets()
+    for name, keys in secrets.items():
+        if name != "tokenmill-metrics":
+            assert keys <= known, f"{name}: not Tokenmill settings: {sorted(keys - known)}"
+    # Each service has what `_require_production` asks for, with its own Redis user.
+    for name in ("tokenmill-gateway", "tokenmill-control-plane", "tokenmill-billing", "tokenmill-autoscaler"):
+        assert {"DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"} <= secrets[
+            name
+        ]
+    # Gateways (and the control plane) talk to workers with the workers' token.
+    assert "TOKENMILL_WORKER_TOKEN" in secrets["tokenmill-gateway"]
+    # Workers: their token, their Redis user, the bucket; never the internal token or the database.
+    worker = secrets[TOKENMILL.locals["worker_secret"]]
+    assert {"TOKENMILL_WORKER_TOKEN", "REDIS_URL", "TOKENMILL_STORAGE_URL"} <= worker
+    assert not worker & {"TOKENMILL_INTERNAL_TOKEN", "DATABASE_URL", "TOKENMILL_SECRET_KEY"}
+    # Only the migration Job gets the owner's credentials, and it creates the services' role.
+    assert secrets["tokenmill-migrate"] == {"DATABASE_URL", "TOKENMILL_APP_DATABASE_URL"}
+    owner = [
+        n for n, c in TOKENMILL.locals["component_secrets"].items() if "local.owner_url" in str(c["data"])
+    ]
+    assert owner == ["tokenmill-migrate"]
     validation = TOKENMILL.variables["settings"]["validation"][0]["condition"]
-    assert all(f'"{name}"' in validation for name in secrets if name.startswith("TOKENMILL_"))
+    assert all(f'"{name}"' in validation for name in SECRET_SETTINGS if name.startswith("TOKENMILL_"))
+
+
+def test_every_secret_template_fetches_what_it_uses() -> None:
+    for name, secret in TOKENMILL.locals["component_secrets"].items():
+        used = set(re.findall(r"\{\{ \.(\w+)", str(secret["data"])))
+        for url in ("database_url", "owner_url", "redis_url"):
+            if f"local.{url}" in str(secret["data"]):
+                used |= set(re.findall(r"\{\{ \.(\w+)", TOKENMILL.locals[url]))
+        assert used and used <= _remote_keys(secret), (
+            f"{name}: {sorted(used - _remote_keys(secret))} not fetched"
+        )
+    # TLS with verification to PostgreSQL (the RDS CA bundle in the images) and to Redis.
+    assert TOKENMILL.locals["database_url"].endswith("?ssl=verify-full")
+    assert TOKENMILL.locals["owner_url"].endswith("?ssl=verify-full")
+    assert (
+        TOKENMILL.locals["redis_url"].startswith("rediss://")
+        and "ssl_cert_reqs=required" in TOKENMILL.locals["redis_url"]
+    )
+
+
+def test_each_workload_reads_its_own_secret() -> None:
+    expected = {
+        "migrate": "tokenmill-migrate",
+        "gateway": "tokenmill-gateway",
+        "control_plane": "tokenmill-control-plane",
+        "celery_worker": "tokenmill-billing",
+        "celery_beat": "tokenmill-billing",
+        "autoscaler": "tokenmill-autoscaler",
+    }
+    for (_, name), container in CONTAINERS.items():
+        refs = [e["secret_ref"][0]["name"] for e in container["env_from"] if "secret_ref" in e]
+        assert refs[0] == expected[name], name
+        assert set(refs[1:]) <= {"${local.stripe_secret}"}, name  # optional Stripe keys
 
 
 def test_defaults_match_the_autoscaler_s_settings() -> None:
@@ -105,6 +174,15 @@ def test_defaults_match_the_autoscaler_s_settings() -> None:
 def _rules() -> dict[tuple[str, str], set[str]]:
     rules: dict[tuple[str, str], set[str]] = {}
     for rule in TOKENMILL.resources[("kubernetes_role_v1", "autoscaler")]["rule"]:
+        for group in rule["api_groups"]:
+            for resource in rule["resources"]:
+                rules.setdefault((group, resource), set()).update(rule["verbs"])
+    return rules
+
+
+def _cluster_rules() -> dict[tuple[str, str], set[str]]:
+    rules: dict[tuple[str, str], set[str]] = {}
+    for rule in TOKENMILL.resources[("kubernetes_cluster_role_v1", "autoscaler")]["rule"]:
         for group in rule["api_groups"]:
             for resource in rule["resources"]:
                 rules.setdefault((group, resource), set()).update(rule["verbs"])
@@ -126,28 +204,47 @@ def test_autoscaler_rbac_covers_every_call_of_the_kubernetes_provider() -> None:
         "deployment": ("apps", "deployments"),
         "deployment_scale": ("apps", "deployments/scale"),
         "pod": ("", "pods"),
+        "pod_disruption_budget": ("policy", "poddisruptionbudgets"),
     }
     calls = set(
         re.findall(
-            r"\b(create|replace|patch|delete|read|list|watch)_namespaced_(deployment_scale|deployment|pod)\b",
+            r"\b(create|replace|patch|delete|read|list|watch)_namespaced_"
+            r"(deployment_scale|deployment|pod_disruption_budget|pod)\b",
             source,
         )
     )
-    assert calls, "autoscaler/kubernetes.py makes no namespaced API call?"
+    assert {("create", "pod_disruption_budget"), ("delete", "pod_disruption_budget")} <= calls
     rules = _rules()
     for verb, kind in calls:
         assert verbs[verb] in rules.get(kinds[kind], set()), (
             f"the autoscaler Role lacks {verbs[verb]} on {kinds[kind]}"
         )
-    # And no more than the issue grants: no cluster scope, no secrets, no escalation.
-    assert set(rules) <= {("apps", "deployments"), ("apps", "deployments/scale"), ("", "pods")}
+    cluster_calls = set(re.findall(r"\b(create|read|replace|patch|delete|list)_priority_class\b", source))
+    assert cluster_calls == {"create", "read"}
+    cluster = _cluster_rules()
+    for verb in cluster_calls:
+        assert verbs[verb] in cluster[("scheduling.k8s.io", "priorityclasses")], verb
+    # And no more: no secrets, no escalation; the only cluster-scoped grant is the PriorityClass,
+    # reads of it limited to its name (create cannot be: the admission policy limits it).
+    assert set(rules) <= {
+        ("apps", "deployments"),
+        ("apps", "deployments/scale"),
+        ("", "pods"),
+        ("policy", "poddisruptionbudgets"),
+    }
     assert rules[("", "pods")] <= {"get", "list", "watch", "patch", "delete"}
-    assert ("kubernetes_cluster_role_v1", "autoscaler") not in TOKENMILL.resources
+    assert set(cluster) == {("scheduling.k8s.io", "priorityclasses")}
+    for rule in TOKENMILL.resources[("kubernetes_cluster_role_v1", "autoscaler")]["rule"]:
+        assert set(rule["verbs"]) <= {"get", "create"}
+        if "get" in rule["verbs"]:
+            assert rule["resource_names"] == ["tokenmill-worker"]
     binding = TOKENMILL.resources[("kubernetes_role_binding_v1", "autoscaler")]
     assert (
         binding["subject"][0]["name"]
         == '${kubernetes_service_account_v1.this["autoscaler"].metadata[0].name}'
     )
+    cluster_binding = TOKENMILL.resources[("kubernetes_cluster_role_binding_v1", "autoscaler")]
+    assert cluster_binding["subject"] == binding["subject"]
 
 
 def test_storage_roles_trust_the_module_s_service_accounts() -> None:
@@ -165,21 +262,6 @@ def test_storage_roles_trust_the_module_s_service_accounts() -> None:
     assert roles["autoscaler"] is None and roles["migrate"] is None
 
 
-def test_gpu_nodes_carry_the_label_and_taint_worker_pods_use() -> None:
-    pod = worker_manifest(
-        WorkerSpec("d", "n", "m", gpu_type="a10g"), 1, namespace="t", image="i:1", secret="s"
-    )
-    spec = pod["spec"]["template"]["spec"]
-    (label,) = spec["nodeSelector"]
-    (toleration,) = spec["tolerations"]
-    cluster = module_at("modules/cluster")
-    assert f'"{label}" = group.gpu_type' in cluster.locals["node_groups"]
-    (taint,) = cluster.resources[("aws_eks_node_group", "this")]["dynamic"]
-    assert taint["taint"]["for_each"] == f'${{each.value.gpu_type == null ? [] : ["{toleration["key"]}"]}}'
-    assert toleration["operator"] == "Exists"  # any value of the taint
-    assert taint["taint"]["content"][0]["effect"] == "NO_SCHEDULE" and toleration["effect"] == "NoSchedule"
-
-
 def _probe_paths(container: dict[str, Any]) -> set[str]:
     return {
         probe[0]["http_get"][0]["path"]
@@ -194,6 +276,10 @@ def test_http_services_are_probed_on_health(name: str) -> None:
     container = CONTAINERS[("kubernetes_deployment_v1", name)]
     assert _probe_paths(container) == {"/health"}
     assert container["port"][0]["container_port"] == 8000
+    # Readiness asks /health; liveness only that the port accepts connections: distinct.
+    assert container["readiness_probe"][0]["http_get"][0]["path"] == "/health"
+    assert container["liveness_probe"][0]["tcp_socket"][0]["port"] == "http"
+    assert "http_get" not in container["liveness_probe"][0]
     assert '@get("/health"' in (REPO / "tokenmill" / "ops.py").read_text()
 
 
@@ -202,8 +288,10 @@ def test_worker_probes_use_the_worker_s_tokenless_path() -> None:
     (ready,) = re.findall(r'^READY_PATH = "([^"]+)"', server, re.M)
     pod = worker_manifest(WorkerSpec("d", "n", "m"), 1, namespace="t", image="i:1", secret="s")
     container = pod["spec"]["template"]["spec"]["containers"][0]
-    for key in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for key in ("startupProbe", "readinessProbe"):
         assert container[key]["httpGet"]["path"] == ready
+    # Liveness is distinct: the port only (no token needed, and a busy worker is not killed).
+    assert container["livenessProbe"]["tcpSocket"]["port"] == "http"
     assert f"/{ready.strip('/')}'" in (REPO / "Dockerfile.worker").read_text()  # its HEALTHCHECK
 
 

@@ -22,3 +22,13 @@ output "kms_key_arn" {
   description = "KMS key of the cache's data and logs."
   value       = aws_kms_key.this.arn
 }
+
+output "users" {
+  description = "Redis user name of each component (the user part of its rediss:// URL)."
+  value       = { for name, user in aws_elasticache_user.this : name => user.user_name }
+}
+
+output "user_secret_arns" {
+  description = "Secrets Manager secret of each component's Redis user (JSON: username, password)."
+  value       = { for name, secret in aws_secretsmanager_secret.user : name => secret.arn }
+}

@@ -61,14 +61,35 @@ variable "num_cache_clusters" {
   }
 }
 
-variable "auth_token" {
-  description = "Redis AUTH token (16-128 printable characters, none of @ \" / or space); clients connect with rediss://:<token>@host:6379."
-  type        = string
-  sensitive   = true
+variable "users" {
+  description = <<-EOT
+    Redis users (ElastiCache RBAC), by name: each component connects as its own user with its own
+    password (generated, kept in Secrets Manager as JSON {username, password}), so a worker's
+    credentials open only what a worker does. access_string is Redis ACL syntax. The built-in
+    default user is switched off.
+  EOT
+  type = map(object({
+    access_string = string
+  }))
+  default = {
+    # Rate limits, budgets, the bus (tm:* keys), usage events, Lua scripts.
+    gateway       = { access_string = "on ~tm:* &* +@all -@dangerous" }
+    control-plane = { access_string = "on ~tm:* &* +@all -@dangerous" }
+    autoscaler    = { access_string = "on ~tm:* &* +@all -@dangerous" }
+    # Celery's broker and results (its own keys) and the billing jobs' tm:* keys.
+    billing = { access_string = "on ~* &* +@all -@dangerous" }
+    # A worker only appends heartbeats and KV events to two streams: no reads, no usage, no limits.
+    worker = { access_string = "on ~tm:workers ~tm:kv -@all +xadd +ping +hello +client|setinfo +client|setname" }
+  }
 
   validation {
-    condition     = length(var.auth_token) >= 16 && length(var.auth_token) <= 128 && !can(regex("[@\"/ ]", var.auth_token))
-    error_message = "auth_token must be 16-128 characters without @, \", / or spaces."
+    condition     = alltrue([for name in keys(var.users) : can(regex("^[a-z][a-z0-9-]{0,20}$", name)) && name != "default"])
+    error_message = "users are named with lower-case letters, digits and '-' (at most 21), not default."
+  }
+
+  validation {
+    condition     = alltrue([for u in values(var.users) : startswith(u.access_string, "on ")])
+    error_message = "Every user's access_string starts with \"on \" (the default user is the only one switched off)."
   }
 }
 

@@ -1,7 +1,9 @@
-# EKS with a private API endpoint, encrypted secrets, every control plane log, a system node
-# group for the services and one managed node group per GPU type for the workers. GPU nodes
-# carry the label and taint the worker pods select and tolerate (autoscaler/kubernetes.py):
-#   label tokenmill.dev/gpu-type=<gpu type>, taint nvidia.com/gpu=present:NoSchedule.
+# EKS with a private API endpoint (reachable from the runner's CIDR blocks or security groups),
+# encrypted secrets, every control plane log, the IAM OIDC provider (IRSA) and the Pod Identity
+# agent, and a managed `system` node group (AMI release pinned) for the services and the
+# add-ons. GPU nodes are not made here: Karpenter launches them (modules/addons-aws,
+# modules/addons) with the label and taint the worker pods select and tolerate
+# (autoscaler/kubernetes.py): tokenmill.dev/gpu-type=<gpu type>, nvidia.com/gpu=present:NoSchedule.
 
 data "aws_caller_identity" "current" {}
 data "aws_partition" "current" {}
@@ -13,42 +15,13 @@ locals {
   log_group   = "/aws/eks/${var.name}/cluster"
   oidc_issuer = trimprefix(aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://")
 
-  node_groups = merge(
-    {
-      system = {
-        instance_types = var.system_node_group.instance_types
-        min_size       = var.system_node_group.min_size
-        max_size       = var.system_node_group.max_size
-        desired_size   = var.system_node_group.desired_size
-        disk_size_gib  = var.system_node_group.disk_size_gib
-        ami_type       = "AL2023_x86_64_STANDARD"
-        capacity_type  = "ON_DEMAND"
-        labels         = { "tokenmill.dev/pool" = "system" }
-        gpu_type       = null
-      }
-    },
-    {
-      for name, group in var.gpu_node_groups : "gpu-${name}" => {
-        instance_types = group.instance_types
-        min_size       = group.min_size
-        max_size       = group.max_size
-        desired_size   = group.desired_size
-        disk_size_gib  = group.disk_size_gib
-        ami_type       = group.ami_type
-        capacity_type  = group.capacity_type
-        labels         = { "tokenmill.dev/pool" = "gpu", "tokenmill.dev/gpu-type" = group.gpu_type }
-        gpu_type       = group.gpu_type
-      }
-    },
-  )
-
-  # Bottlerocket boots from a small OS volume and keeps images and pod data on a second one.
-  volumes = {
-    for name, group in local.node_groups : name => (
-      startswith(group.ami_type, "BOTTLEROCKET")
-      ? [{ device = "/dev/xvda", size = 8 }, { device = "/dev/xvdb", size = group.disk_size_gib }]
-      : [{ device = "/dev/xvda", size = group.disk_size_gib }]
-    )
+  system = {
+    instance_types = var.system_node_group.instance_types
+    min_size       = var.system_node_group.min_size
+    max_size       = var.system_node_group.max_size
+    desired_size   = var.system_node_group.desired_size
+    disk_size_gib  = var.system_node_group.disk_size_gib
+    labels         = { "tokenmill.dev/pool" = "system" }
   }
 }
 
@@ -166,7 +139,7 @@ resource "aws_eks_cluster" "this" {
     }
   }
 
-  tags = var.tags
+  tags = merge(var.tags, { "karpenter.sh/discovery" = var.name })
 
   lifecycle {
     # With no CIDR, EKS would open a public endpoint to 0.0.0.0/0.
@@ -181,6 +154,42 @@ resource "aws_eks_cluster" "this" {
     aws_iam_role_policy_attachment.cluster,
     aws_iam_role_policy.cluster_encryption,
   ]
+}
+
+# The runner that applies the platform stack (CI inside the VPC, a VPN, a peered network)
+# reaches the private API endpoint on 443: by CIDR block or by security group.
+resource "aws_vpc_security_group_ingress_rule" "api_from_cidr" {
+  for_each = toset(var.api_access_cidrs)
+
+  security_group_id = aws_eks_cluster.this.vpc_config[0].cluster_security_group_id
+  description       = "Kubernetes API from ${each.value} (Terraform runner, operators)"
+  ip_protocol       = "tcp"
+  from_port         = 443
+  to_port           = 443
+  cidr_ipv4         = each.value
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_ingress_rule" "api_from_security_group" {
+  for_each = toset(var.api_access_security_group_ids)
+
+  security_group_id            = aws_eks_cluster.this.vpc_config[0].cluster_security_group_id
+  description                  = "Kubernetes API from ${each.value} (Terraform runner, operators)"
+  ip_protocol                  = "tcp"
+  from_port                    = 443
+  to_port                      = 443
+  referenced_security_group_id = each.value
+
+  tags = var.tags
+}
+
+# Karpenter's GPU nodes join the security group every node and the control plane share (the
+# database and the cache admit it).
+resource "aws_ec2_tag" "cluster_security_group_discovery" {
+  resource_id = aws_eks_cluster.this.vpc_config[0].cluster_security_group_id
+  key         = "karpenter.sh/discovery"
+  value       = var.name
 }
 
 resource "aws_eks_access_entry" "admin" {
@@ -207,14 +216,10 @@ resource "aws_eks_access_policy_association" "admin" {
 
 # --- IAM roles for service accounts (IRSA) ----------------------------------------------
 
-data "tls_certificate" "oidc" {
-  url = aws_eks_cluster.this.identity[0].oidc[0].issuer
-}
-
+# No thumbprint: IAM trusts the EKS OIDC issuer through its own certificate authorities.
 resource "aws_iam_openid_connect_provider" "this" {
-  url             = aws_eks_cluster.this.identity[0].oidc[0].issuer
-  client_id_list  = ["sts.amazonaws.com"]
-  thumbprint_list = [data.tls_certificate.oidc.certificates[0].sha1_fingerprint]
+  url            = aws_eks_cluster.this.identity[0].oidc[0].issuer
+  client_id_list = ["sts.amazonaws.com"]
 
   tags = var.tags
 }
@@ -297,10 +302,8 @@ resource "aws_iam_role_policy_attachment" "node" {
 }
 
 resource "aws_launch_template" "node" {
-  for_each = local.node_groups
-
-  name_prefix            = "${var.name}-${each.key}-"
-  description            = "${var.name} ${each.key} nodes: IMDSv2 only, encrypted volumes"
+  name_prefix            = "${var.name}-system-"
+  description            = "${var.name} system nodes: IMDSv2 only, encrypted volumes"
   update_default_version = true
 
   # IMDSv2 only, one hop: pods cannot reach the node's instance role; they use IRSA.
@@ -311,18 +314,14 @@ resource "aws_launch_template" "node" {
     instance_metadata_tags      = "disabled"
   }
 
-  dynamic "block_device_mappings" {
-    for_each = local.volumes[each.key]
+  block_device_mappings {
+    device_name = "/dev/xvda"
 
-    content {
-      device_name = block_device_mappings.value.device
-
-      ebs {
-        volume_size           = block_device_mappings.value.size
-        volume_type           = "gp3"
-        encrypted             = true
-        delete_on_termination = true
-      }
+    ebs {
+      volume_size           = local.system.disk_size_gib
+      volume_type           = "gp3"
+      encrypted             = true
+      delete_on_termination = true
     }
   }
 
@@ -332,34 +331,35 @@ resource "aws_launch_template" "node" {
 
   tag_specifications {
     resource_type = "instance"
-    tags          = merge(var.tags, { Name = "${var.name}-${each.key}" })
+    tags          = merge(var.tags, { Name = "${var.name}-system" })
   }
 
   tag_specifications {
     resource_type = "volume"
-    tags          = merge(var.tags, { Name = "${var.name}-${each.key}" })
+    tags          = merge(var.tags, { Name = "${var.name}-system" })
   }
 
   tags = var.tags
 }
 
-resource "aws_eks_node_group" "this" {
-  for_each = local.node_groups
-
+# The services and the add-ons (Karpenter itself included) run here; GPU nodes come from
+# Karpenter. The AMI release is pinned: nodes change only when release_version does.
+resource "aws_eks_node_group" "system" {
   cluster_name    = aws_eks_cluster.this.name
-  node_group_name = each.key
+  node_group_name = "system"
   version         = var.kubernetes_version
+  release_version = var.system_node_group.release_version
   node_role_arn   = aws_iam_role.node.arn
   subnet_ids      = var.subnet_ids
-  ami_type        = each.value.ami_type
-  capacity_type   = each.value.capacity_type
-  instance_types  = each.value.instance_types
-  labels          = each.value.labels
+  ami_type        = "AL2023_x86_64_STANDARD"
+  capacity_type   = "ON_DEMAND"
+  instance_types  = local.system.instance_types
+  labels          = local.system.labels
 
   scaling_config {
-    min_size     = each.value.min_size
-    max_size     = each.value.max_size
-    desired_size = each.value.desired_size
+    min_size     = local.system.min_size
+    max_size     = local.system.max_size
+    desired_size = local.system.desired_size
   }
 
   update_config {
@@ -367,30 +367,17 @@ resource "aws_eks_node_group" "this" {
   }
 
   launch_template {
-    id      = aws_launch_template.node[each.key].id
-    version = aws_launch_template.node[each.key].latest_version
+    id      = aws_launch_template.node.id
+    version = aws_launch_template.node.latest_version
   }
 
-  dynamic "taint" {
-    for_each = each.value.gpu_type == null ? [] : ["nvidia.com/gpu"]
-
-    content {
-      key    = taint.value
-      value  = "present"
-      effect = "NO_SCHEDULE"
-    }
-  }
-
-  # Cluster Autoscaler auto-discovery; it reads labels and taints from the node group to
-  # scale GPU groups up from zero when worker pods are pending.
-  tags = merge(var.tags, {
-    "k8s.io/cluster-autoscaler/enabled"     = "true"
-    "k8s.io/cluster-autoscaler/${var.name}" = "owned"
-  })
+  tags = var.tags
 
   lifecycle {
-    # The Cluster Autoscaler owns the size between min and max.
-    ignore_changes = [scaling_config[0].desired_size]
+    precondition {
+      condition     = startswith(var.system_node_group.release_version, "${var.kubernetes_version}.")
+      error_message = "system_node_group.release_version must be an AMI release of kubernetes_version (e.g. ${var.kubernetes_version}.x-YYYYMMDD)."
+    }
   }
 
   depends_on = [
@@ -411,5 +398,5 @@ resource "aws_eks_addon" "this" {
   tags = var.tags
 
   # coredns and metrics-server need nodes to become healthy.
-  depends_on = [aws_eks_node_group.this]
+  depends_on = [aws_eks_node_group.system]
 }

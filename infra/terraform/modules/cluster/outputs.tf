@@ -14,7 +14,7 @@ output "certificate_authority_data" {
 }
 
 output "node_security_group_id" {
-  description = "Security group of the control plane and every node (the EKS cluster security group); the database and the cache admit it."
+  description = "Security group of the control plane and every node, Karpenter's included (the EKS cluster security group, tagged karpenter.sh/discovery); the database and the cache admit it."
   value       = aws_eks_cluster.this.vpc_config[0].cluster_security_group_id
 }
 
@@ -33,9 +33,9 @@ output "node_role_arn" {
   value       = aws_iam_role.node.arn
 }
 
-output "gpu_types" {
-  description = "GPU types the node groups offer (values of the tokenmill.dev/gpu-type label)."
-  value       = distinct([for group in values(var.gpu_node_groups) : group.gpu_type])
+output "node_role_name" {
+  description = "Name of the system nodes' IAM role."
+  value       = aws_iam_role.node.name
 }
 
 output "kms_key_arn" {

@@ -63,73 +63,66 @@ variable "admin_principal_arns" {
   }
 }
 
+variable "api_access_cidrs" {
+  description = "CIDR blocks inside the network (a CI runner's subnet, a VPN) allowed to the private Kubernetes API on 443: whoever applies the platform stack needs one of these or api_access_security_group_ids."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = alltrue([for cidr in var.api_access_cidrs : can(cidrhost(cidr, 0)) && cidr != "0.0.0.0/0"])
+    error_message = "api_access_cidrs must be CIDR blocks, and not 0.0.0.0/0."
+  }
+}
+
+variable "api_access_security_group_ids" {
+  description = "Security groups (a runner's, a bastion's) allowed to the private Kubernetes API on 443."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = alltrue([for id in var.api_access_security_group_ids : can(regex("^sg-[0-9a-f]{8,17}$", id))])
+    error_message = "api_access_security_group_ids must be security group ids (sg-...)."
+  }
+}
+
 variable "system_node_group" {
-  description = "The node group of the services (gateway, control plane, Celery, autoscaler) and cluster add-ons."
+  description = <<-EOT
+    The managed node group of the services (gateway, control plane, Celery, autoscaler) and the
+    cluster add-ons (Karpenter included). release_version pins the EKS AL2023 AMI release (find
+    the current one: aws ssm get-parameter --name
+    /aws/service/eks/optimized-ami/<kubernetes_version>/amazon-linux-2023/x86_64/standard/recommended/release_version);
+    nodes are replaced, one at a time, only when it changes.
+  EOT
   type = object({
-    instance_types = optional(list(string), ["m7i.xlarge"])
-    min_size       = optional(number, 2)
-    max_size       = optional(number, 6)
-    desired_size   = optional(number, 3)
-    disk_size_gib  = optional(number, 50)
+    release_version = string
+    instance_types  = optional(list(string), ["m7i.xlarge"])
+    min_size        = optional(number, 2)
+    max_size        = optional(number, 6)
+    desired_size    = optional(number, 3)
+    disk_size_gib   = optional(number, 50)
   })
-  default = {}
 
   validation {
     condition     = var.system_node_group.min_size >= 1 && var.system_node_group.min_size <= var.system_node_group.desired_size && var.system_node_group.desired_size <= var.system_node_group.max_size
     error_message = "The system node group needs 1 <= min_size <= desired_size <= max_size."
   }
-}
-
-variable "gpu_node_groups" {
-  description = <<-EOT
-    GPU node groups by name. Each group's nodes are labelled tokenmill.dev/gpu-type=<gpu_type>
-    (the worker pods' nodeSelector) and tainted nvidia.com/gpu=present:NoSchedule (tolerated by
-    worker pods only). gpu_type is the name the price book uses (a10g, l4, h100...).
-    Bottlerocket NVIDIA images ship the NVIDIA device plugin; the AL2023/AL2 GPU images need
-    it installed separately.
-  EOT
-  type = map(object({
-    gpu_type       = string
-    instance_types = list(string)
-    min_size       = optional(number, 0)
-    max_size       = optional(number, 4)
-    desired_size   = optional(number, 0)
-    disk_size_gib  = optional(number, 200)
-    ami_type       = optional(string, "BOTTLEROCKET_x86_64_NVIDIA")
-    capacity_type  = optional(string, "ON_DEMAND")
-  }))
-  default = {}
 
   validation {
-    condition     = alltrue([for g in values(var.gpu_node_groups) : can(regex("^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$", g.gpu_type))])
-    error_message = "gpu_type becomes a label value: lower-case letters, digits, '.', '_' or '-', at most 63."
-  }
-
-  validation {
-    condition     = alltrue([for g in values(var.gpu_node_groups) : contains(["BOTTLEROCKET_x86_64_NVIDIA", "BOTTLEROCKET_ARM_64_NVIDIA", "AL2023_x86_64_NVIDIA", "AL2_x86_64_GPU"], g.ami_type)])
-    error_message = "ami_type must be a GPU image: BOTTLEROCKET_x86_64_NVIDIA, BOTTLEROCKET_ARM_64_NVIDIA, AL2023_x86_64_NVIDIA or AL2_x86_64_GPU."
-  }
-
-  validation {
-    condition     = alltrue([for g in values(var.gpu_node_groups) : contains(["ON_DEMAND", "SPOT"], g.capacity_type)])
-    error_message = "capacity_type must be ON_DEMAND or SPOT."
-  }
-
-  validation {
-    condition     = alltrue([for g in values(var.gpu_node_groups) : g.min_size >= 0 && g.min_size <= g.desired_size && g.desired_size <= g.max_size && g.max_size >= 1])
-    error_message = "Each GPU node group needs 0 <= min_size <= desired_size <= max_size, max_size >= 1."
+    condition     = can(regex("^1\\.[0-9]{2}\\.[0-9]+-[0-9]{8}$", var.system_node_group.release_version))
+    error_message = "release_version must be an EKS AMI release such as 1.34.2-20251120."
   }
 }
 
 variable "addons" {
-  description = "EKS add-ons besides vpc-cni (always installed), by name, with an optional version (null: the default for the cluster version). metrics-server feeds the gateway's autoscaler."
+  description = "EKS add-ons besides vpc-cni (always installed), by name, with an optional version (null: the default for the cluster version). metrics-server feeds the gateway's autoscaler; eks-pod-identity-agent serves the add-ons' Pod Identity roles."
   type = map(object({
     version = optional(string)
   }))
   default = {
-    coredns        = {}
-    kube-proxy     = {}
-    metrics-server = {}
+    coredns                = {}
+    kube-proxy             = {}
+    metrics-server         = {}
+    eks-pod-identity-agent = {}
   }
 }
 

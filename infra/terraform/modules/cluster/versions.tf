@@ -4,11 +4,7 @@ terraform {
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = "~> 5.70" # AL2023 and Bottlerocket NVIDIA AMI types, EKS access entries
-    }
-    tls = {
-      source  = "hashicorp/tls"
-      version = "~> 4.0"
+      version = "~> 5.100" # EKS access entries and Pod Identity; the OIDC provider without a thumbprint
     }
   }
 }

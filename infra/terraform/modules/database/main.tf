@@ -1,5 +1,7 @@
 # RDS PostgreSQL: private, encrypted with its own key, TLS enforced, multi-AZ by default,
-# point-in-time backups, enhanced monitoring, Performance Insights and slow-query logs.
+# point-in-time backups, enhanced monitoring, Performance Insights and slow-query logs. The
+# master password is RDS's own, kept (and rotated) in Secrets Manager under this module's key:
+# it never passes through Terraform or its state.
 
 data "aws_caller_identity" "current" {}
 data "aws_partition" "current" {}
@@ -14,7 +16,7 @@ locals {
 }
 
 resource "aws_kms_key" "this" {
-  description             = "${var.name}: RDS storage, Performance Insights and logs"
+  description             = "${var.name}: RDS storage, Performance Insights, logs and the master user's secret"
   enable_key_rotation     = true
   deletion_window_in_days = 30
 
@@ -167,10 +169,11 @@ resource "aws_db_instance" "this" {
   engine_version = var.engine_version
   instance_class = var.instance_class
 
-  db_name  = var.database_name
-  username = var.username
-  password = var.password
-  port     = 5432
+  db_name                       = var.database_name
+  username                      = var.username
+  manage_master_user_password   = true
+  master_user_secret_kms_key_id = aws_kms_key.this.arn
+  port                          = 5432
 
   allocated_storage     = var.allocated_storage_gib
   max_allocated_storage = var.max_allocated_storage_gib

@@ -14,8 +14,13 @@ output "database_name" {
 }
 
 output "username" {
-  description = "Master user name."
+  description = "Master user name (the migrations' owner)."
   value       = aws_db_instance.this.username
+}
+
+output "master_user_secret_arn" {
+  description = "Secrets Manager secret RDS keeps the master user's credentials in (JSON: username, password); the migration Job reads it."
+  value       = aws_db_instance.this.master_user_secret[0].secret_arn
 }
 
 output "security_group_id" {
@@ -29,6 +34,6 @@ output "instance_id" {
 }
 
 output "kms_key_arn" {
-  description = "KMS key of the database's storage, Performance Insights and logs."
+  description = "KMS key of the database's storage, Performance Insights, logs and master user secret."
   value       = aws_kms_key.this.arn
 }

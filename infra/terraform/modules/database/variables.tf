@@ -114,24 +114,13 @@ variable "database_name" {
 }
 
 variable "username" {
-  description = "Master user name."
+  description = "Master user name (the owner the migrations run as; the services connect as their own role, which the migration Job creates)."
   type        = string
   default     = "tokenmill"
 
   validation {
     condition     = can(regex("^[a-z][a-z0-9_]{0,62}$", var.username)) && !contains(["postgres", "admin", "rdsadmin"], var.username)
     error_message = "username must be a lower-case identifier, and not a reserved name."
-  }
-}
-
-variable "password" {
-  description = "Master password (at least 16 characters, none of / @ \" or space)."
-  type        = string
-  sensitive   = true
-
-  validation {
-    condition     = length(var.password) >= 16 && length(var.password) <= 128 && !can(regex("[/@\" ]", var.password))
-    error_message = "password must be 16-128 characters without /, @, \" or spaces."
   }
 }
 

@@ -60,6 +60,8 @@ resource "aws_subnet" "private" {
     Name                                = "${var.name}-private-${var.azs[count.index]}"
     "kubernetes.io/role/internal-elb"   = "1"
     "kubernetes.io/cluster/${var.name}" = "shared"
+    # Karpenter launches GPU nodes into the subnets carrying this tag.
+    "karpenter.sh/discovery" = var.name
   })
 }
 

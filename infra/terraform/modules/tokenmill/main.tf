@@ -1,7 +1,11 @@
-# Tokenmill on Kubernetes: the namespace, settings and secrets, the migration Job, the
-# Deployments of the gateway, control plane, Celery worker and beat and the worker
-# autoscaler, their Services, Ingresses, the gateway's HorizontalPodAutoscaler, and the
-# worker templates: the Deployment the autoscaler creates for each model deployment.
+# Tokenmill on Kubernetes: the namespace, settings, the secrets (External Secrets from Secrets
+# Manager: a Secret per component, so each holds only its own credentials), the migration Job
+# (which also creates the services' database role), the Deployments of the gateway, control
+# plane, Celery worker and beat and the worker autoscaler, their Services, Ingresses, the
+# gateway's HorizontalPodAutoscaler, graceful rollouts behind the ALB (modules/rollout), the
+# autoscaler's RBAC and an admission policy limiting what it may create, Prometheus monitors
+# and alerts, and the worker templates: the Deployment the autoscaler creates for each model
+# deployment.
 
 locals {
   home = "/var/lib/tokenmill"
@@ -12,7 +16,8 @@ locals {
     billing       = "tokenmill-billing"
     autoscaler    = "tokenmill-autoscaler"
     migrate       = "tokenmill-migrate"
-    worker        = "tokenmill-worker" # fixed by the manifest contract (autoscaler/kubernetes.py)
+    worker        = "tokenmill-worker"  # fixed by the manifest contract (autoscaler/kubernetes.py)
+    secrets       = "tokenmill-secrets" # External Secrets reads Secrets Manager as this one (IRSA)
   }
   role_arns = {
     gateway       = var.reader_role_arn
@@ -21,11 +26,13 @@ locals {
     autoscaler    = null
     migrate       = null
     worker        = var.reader_role_arn
+    secrets       = var.secret_store.role_arn
   }
 
-  app_secret    = "tokenmill"
   worker_secret = "tokenmill-worker" # TOKENMILL_WORKER_SECRET's default
   settings_name = "tokenmill"
+  store         = "aws-secrets-manager"
+  stripe_secret = "tokenmill-stripe" # optional in every pod: empty until the operator puts keys
 
   labels = {
     gateway       = { "app.kubernetes.io/name" = "tokenmill-gateway", "app.kubernetes.io/component" = "gateway" }
@@ -42,48 +49,173 @@ locals {
 
   settings = merge(
     {
-      TOKENMILL_HOST                 = "0.0.0.0"
-      TOKENMILL_PORT                 = "8000"
-      TOKENMILL_HOME                 = local.home
-      TOKENMILL_LOG_LEVEL            = var.log_level
-      TOKENMILL_KUBERNETES_NAMESPACE = var.namespace
-      TOKENMILL_WORKER_IMAGE         = var.worker_image
-      TOKENMILL_WORKER_SECRET        = local.worker_secret
+      TOKENMILL_HOST                   = "0.0.0.0"
+      TOKENMILL_PORT                   = "8000"
+      TOKENMILL_HOME                   = local.home
+      TOKENMILL_LOG_LEVEL              = var.log_level
+      TOKENMILL_KUBERNETES_NAMESPACE   = var.namespace
+      TOKENMILL_WORKER_IMAGE           = var.worker_image
+      TOKENMILL_WORKER_SECRET          = local.worker_secret
+      TOKENMILL_STORAGE_URL            = var.storage_url
+      TOKENMILL_MAX_STREAM_SECONDS     = tostring(module.rollout.max_stream_seconds)
+      TOKENMILL_SHUTDOWN_GRACE_SECONDS = tostring(module.rollout.graceful_shutdown_seconds)
+      TOKENMILL_WORKER_RESOURCES       = jsonencode(var.worker_resources)
     },
     var.s3_region == null ? {} : { TOKENMILL_S3_REGION = var.s3_region },
     var.settings,
   )
 
-  app_secret_data = merge(
-    {
-      TOKENMILL_INTERNAL_TOKEN = var.internal_token
-      TOKENMILL_SECRET_KEY     = var.secret_key
-      DATABASE_URL             = var.database_url
-      REDIS_URL                = var.redis_url
-      TOKENMILL_STORAGE_URL    = var.storage_url
-    },
-    var.stripe_api_key == null ? {} : { TOKENMILL_STRIPE_API_KEY = var.stripe_api_key },
-    var.stripe_webhook_secret == null ? {} : { TOKENMILL_STRIPE_WEBHOOK_SECRET = var.stripe_webhook_secret },
+  # --- secrets: one Secret per component, rendered by External Secrets from Secrets Manager ---
+  # DATABASE_URL verifies the server's certificate (the RDS CA bundle is in the images:
+  # PGSSLROOTCERT); Redis URLs name each component's own user (TLS, certificate verified).
+  database_url = "postgresql+asyncpg://{{ .db_username }}:{{ .db_password | urlquery }}@${var.database.address}:${var.database.port}/${var.database.name}?ssl=verify-full"
+  owner_url    = "postgresql+asyncpg://{{ .owner_username }}:{{ .owner_password | urlquery }}@${var.database.address}:${var.database.port}/${var.database.name}?ssl=verify-full"
+  redis_url    = "rediss://{{ .redis_username }}:{{ .redis_password | urlquery }}@${var.redis.endpoint}:${var.redis.port}/0?ssl_cert_reqs=required"
+
+  # Secrets Manager entries each Secret reads: secret key -> [secret name, JSON property or null].
+  remote = {
+    app_db    = { db_username = [var.secrets.database_app, "username"], db_password = [var.secrets.database_app, "password"] }
+    owner_db  = { owner_username = [var.database.owner_secret, "username"], owner_password = [var.database.owner_secret, "password"] }
+    internal  = { internal_token = [var.secrets.internal_token, null] }
+    worker    = { worker_token = [var.secrets.worker_token, null] }
+    key       = { secret_key = [var.secrets.secret_key, null] }
+    redis_for = { for user, secret in var.redis.user_secrets : user => { redis_username = [secret, "username"], redis_password = [secret, "password"] } }
+  }
+
+  # What each component's Secret holds (keys: environment variables; values: ESO templates).
+  component_secrets = {
+    tokenmill-gateway = {
+      remote = merge(local.remote.app_db, local.remote.internal, local.remote.worker, local.remote.key, local.remote.redis_for["gateway"])
+      data = {
+        DATABASE_URL             = local.database_url
+        REDIS_URL                = local.redis_url
+        TOKENMILL_INTERNAL_TOKEN = "{{ .internal_token }}"
+        TOKENMILL_WORKER_TOKEN   = "{{ .worker_token }}"
+        TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
+      }
+    }
+    tokenmill-control-plane = {
+      remote = merge(local.remote.app_db, local.remote.internal, local.remote.worker, local.remote.key, local.remote.redis_for["control-plane"])
+      data = {
+        DATABASE_URL             = local.database_url
+        REDIS_URL                = local.redis_url
+        TOKENMILL_INTERNAL_TOKEN = "{{ .internal_token }}"
+        TOKENMILL_WORKER_TOKEN   = "{{ .worker_token }}"
+        TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
+      }
+    }
+    tokenmill-billing = {
+      remote = merge(local.remote.app_db, local.remote.internal, local.remote.key, local.remote.redis_for["billing"])
+      data = {
+        DATABASE_URL             = local.database_url
+        REDIS_URL                = local.redis_url
+        TOKENMILL_INTERNAL_TOKEN = "{{ .internal_token }}"
+        TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
+      }
+    }
+    tokenmill-autoscaler = {
+      remote = merge(local.remote.app_db, local.remote.internal, local.remote.key, local.remote.redis_for["autoscaler"])
+      data = {
+        DATABASE_URL             = local.database_url
+        REDIS_URL                = local.redis_url
+        TOKENMILL_INTERNAL_TOKEN = "{{ .internal_token }}"
+        TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
+      }
+    }
+    # The migrations run as the database's owner (RDS's master user); they create the services'
+    # role from TOKENMILL_APP_DATABASE_URL. Only this Job gets the owner's credentials.
+    tokenmill-migrate = {
+      remote = merge(local.remote.owner_db, local.remote.app_db)
+      data = {
+        DATABASE_URL               = local.owner_url
+        TOKENMILL_APP_DATABASE_URL = local.database_url
+      }
+    }
+    # Workers (the contract: envFrom this Secret only): their own token, which cannot publish
+    # usage, and their own Redis user, which may only append heartbeats and KV events.
+    (local.worker_secret) = {
+      remote = merge(local.remote.worker, local.remote.redis_for["worker"])
+      data = merge(
+        {
+          REDIS_URL              = local.redis_url
+          TOKENMILL_WORKER_TOKEN = "{{ .worker_token }}"
+          TOKENMILL_STORAGE_URL  = var.storage_url
+          TOKENMILL_LOG_LEVEL    = var.log_level
+        },
+        var.s3_region == null ? {} : { TOKENMILL_S3_REGION = var.s3_region },
+      )
+    }
+    # Prometheus scrapes the workers' /metrics with the workers' token (PodMonitor below).
+    tokenmill-metrics = {
+      remote = local.remote.worker
+      data   = { token = "{{ .worker_token }}" }
+    }
+  }
+
+  secret_store = {
+    apiVersion = "external-secrets.io/v1"
+    kind       = "SecretStore"
+    metadata   = { name = local.store, namespace = var.namespace, labels = local.common_labels }
+    spec = {
+      provider = {
+        aws = {
+          service = "SecretsManager"
+          region  = var.secret_store.region
+          auth    = { jwt = { serviceAccountRef = { name = local.service_accounts.secrets } } }
+        }
+      }
+    }
+  }
+
+  external_secrets = concat(
+    [
+      for name, secret in local.component_secrets : {
+        apiVersion = "external-secrets.io/v1"
+        kind       = "ExternalSecret"
+        metadata   = { name = name, namespace = var.namespace, labels = local.common_labels }
+        spec = {
+          refreshInterval = var.secret_refresh_interval
+          secretStoreRef  = { name = local.store, kind = "SecretStore" }
+          target = {
+            name           = name
+            creationPolicy = "Owner"
+            template       = { engineVersion = "v2", metadata = { labels = local.common_labels }, data = secret.data }
+          }
+          data = [
+            for key, ref in secret.remote : merge(
+              { secretKey = key, remoteRef = { key = ref[0] } },
+              ref[1] == null ? {} : { remoteRef = { key = ref[0], property = ref[1] } },
+            )
+          ]
+        }
+      }
+    ],
+    [
+      {
+        apiVersion = "external-secrets.io/v1"
+        kind       = "ExternalSecret"
+        metadata   = { name = local.stripe_secret, namespace = var.namespace, labels = local.common_labels }
+        spec = {
+          refreshInterval = var.secret_refresh_interval
+          secretStoreRef  = { name = local.store, kind = "SecretStore" }
+          target          = { name = local.stripe_secret, creationPolicy = "Owner" }
+          # Every key of the JSON (TOKENMILL_STRIPE_API_KEY, TOKENMILL_STRIPE_WEBHOOK_SECRET).
+          dataFrom = [{ extract = { key = var.secrets.stripe } }]
+        }
+      }
+    ],
   )
 
-  # Everything a worker gets besides the contract's own variables (envFrom this Secret).
-  worker_secret_data = merge(
-    {
-      TOKENMILL_INTERNAL_TOKEN = var.internal_token
-      REDIS_URL                = var.redis_url
-      TOKENMILL_STORAGE_URL    = var.storage_url
-      TOKENMILL_LOG_LEVEL      = var.log_level
-    },
-    var.s3_region == null ? {} : { TOKENMILL_S3_REGION = var.s3_region },
-  )
-
-  # Pods restart when their settings or secrets change.
-  config_checksum = nonsensitive(sha256(jsonencode([local.settings, local.app_secret_data])))
+  # Pods restart when their settings or the shape of their secrets change (a rotated value is
+  # picked up by `kubectl rollout restart`, see the README).
+  config_checksum = sha256(jsonencode([local.settings, local.component_secrets]))
 
   # A new image runs its migrations under a new Job name, before any Deployment rolls.
   migrate_job = "tokenmill-migrate-${substr(sha256(var.image), 0, 10)}"
 
   system_nodes = { "tokenmill.dev/pool" = "system" }
+  # Scratch space of a service container (its state and /tmp volumes): requested and limited.
+  scratch = "2Gi"
 }
 
 resource "kubernetes_namespace_v1" "this" {
@@ -94,8 +226,17 @@ resource "kubernetes_namespace_v1" "this" {
       "pod-security.kubernetes.io/enforce" = "restricted"
       "pod-security.kubernetes.io/audit"   = "restricted"
       "pod-security.kubernetes.io/warn"    = "restricted"
+      # The AWS Load Balancer Controller adds a readiness gate to the pods behind an ALB: a new
+      # pod counts as ready only once the ALB reports it healthy, so rollouts never run short.
+      "elbv2.k8s.aws/pod-readiness-gate-inject" = "enabled"
     })
   }
+}
+
+module "rollout" {
+  source = "./modules/rollout"
+
+  max_stream_seconds = var.max_stream_seconds
 }
 
 # --- settings and secrets -------------------------------------------------------------
@@ -110,26 +251,16 @@ resource "kubernetes_config_map_v1" "settings" {
   data = local.settings
 }
 
-resource "kubernetes_secret_v1" "app" {
-  metadata {
-    name      = local.app_secret
-    namespace = kubernetes_namespace_v1.this.metadata[0].name
-    labels    = local.common_labels
-  }
+# The SecretStore and the ExternalSecrets (CRDs of External Secrets, installed by modules/addons
+# in the same apply: hence a Helm release of plain manifests rather than kubernetes_manifest).
+resource "helm_release" "secrets" {
+  name      = "tokenmill-secrets"
+  chart     = "${path.module}/../../charts/manifests"
+  namespace = kubernetes_namespace_v1.this.metadata[0].name
 
-  type = "Opaque"
-  data = local.app_secret_data
-}
+  values = [yamlencode({ manifests = concat([local.secret_store], local.external_secrets) })]
 
-resource "kubernetes_secret_v1" "worker" {
-  metadata {
-    name      = local.worker_secret
-    namespace = kubernetes_namespace_v1.this.metadata[0].name
-    labels    = merge(local.common_labels, { "app.kubernetes.io/component" = "worker" })
-  }
-
-  type = "Opaque"
-  data = local.worker_secret_data
+  depends_on = [kubernetes_service_account_v1.this]
 }
 
 # --- service accounts and RBAC ----------------------------------------------------------
@@ -149,8 +280,9 @@ resource "kubernetes_service_account_v1" "this" {
 }
 
 # What autoscaler/kubernetes.py does: read, create, replace, scale and delete the worker
-# Deployments, mark pods as preferred victims and delete a dead worker's pod. In its
-# namespace only.
+# Deployments and their PodDisruptionBudgets, mark pods as preferred victims and delete a dead
+# worker's pod, in its namespace only; and create the workers' PriorityClass (cluster-scoped:
+# a ClusterRole). What it may create is narrowed further by the admission policy below.
 resource "kubernetes_role_v1" "autoscaler" {
   metadata {
     name      = "tokenmill-autoscaler"
@@ -168,6 +300,52 @@ resource "kubernetes_role_v1" "autoscaler" {
     api_groups = [""]
     resources  = ["pods"]
     verbs      = ["patch", "delete"]
+  }
+
+  rule {
+    api_groups = ["policy"]
+    resources  = ["poddisruptionbudgets"]
+    verbs      = ["get", "create", "delete"]
+  }
+}
+
+resource "kubernetes_cluster_role_v1" "autoscaler" {
+  metadata {
+    name   = "tokenmill-autoscaler"
+    labels = local.common_labels
+  }
+
+  # RBAC cannot limit create by name: the admission policy allows only tokenmill-worker.
+  rule {
+    api_groups = ["scheduling.k8s.io"]
+    resources  = ["priorityclasses"]
+    verbs      = ["create"]
+  }
+
+  rule {
+    api_groups     = ["scheduling.k8s.io"]
+    resources      = ["priorityclasses"]
+    resource_names = ["tokenmill-worker"]
+    verbs          = ["get"]
+  }
+}
+
+resource "kubernetes_cluster_role_binding_v1" "autoscaler" {
+  metadata {
+    name   = "tokenmill-autoscaler"
+    labels = local.common_labels
+  }
+
+  role_ref {
+    api_group = "rbac.authorization.k8s.io"
+    kind      = "ClusterRole"
+    name      = kubernetes_cluster_role_v1.autoscaler.metadata[0].name
+  }
+
+  subject {
+    kind      = "ServiceAccount"
+    name      = kubernetes_service_account_v1.this["autoscaler"].metadata[0].name
+    namespace = kubernetes_namespace_v1.this.metadata[0].name
   }
 }
 
@@ -189,6 +367,84 @@ resource "kubernetes_role_binding_v1" "autoscaler" {
     name      = kubernetes_service_account_v1.this["autoscaler"].metadata[0].name
     namespace = kubernetes_namespace_v1.this.metadata[0].name
   }
+}
+
+# What the autoscaler may create, beyond what RBAC can say (RBAC grants verbs on kinds; this
+# looks at the objects): only worker Deployments running the worker image as the worker service
+# account with the worker Secret, emptyDir volumes and no host access; only their disruption
+# budgets; only the workers' PriorityClass; and only worker pods to mark or delete. A stolen
+# autoscaler token cannot start a pod with another service account, another Secret or another
+# image.
+locals {
+  autoscaler_user = "system:serviceaccount:${var.namespace}:${local.service_accounts.autoscaler}"
+  is              = "request.resource.group == '%s' && request.resource.resource == '%s'"
+
+  autoscaler_policy = {
+    apiVersion = "admissionregistration.k8s.io/v1"
+    kind       = "ValidatingAdmissionPolicy"
+    metadata   = { name = "tokenmill-autoscaler", labels = local.common_labels }
+    spec = {
+      failurePolicy = "Fail"
+      matchConstraints = {
+        resourceRules = [
+          { apiGroups = ["apps"], apiVersions = ["v1"], operations = ["CREATE", "UPDATE"], resources = ["deployments"] },
+          { apiGroups = ["policy"], apiVersions = ["v1"], operations = ["CREATE", "UPDATE"], resources = ["poddisruptionbudgets"] },
+          { apiGroups = ["scheduling.k8s.io"], apiVersions = ["v1"], operations = ["CREATE", "UPDATE"], resources = ["priorityclasses"] },
+          { apiGroups = [""], apiVersions = ["v1"], operations = ["UPDATE", "DELETE"], resources = ["pods"] },
+        ]
+      }
+      matchConditions = [{ name = "the-autoscaler", expression = "request.userInfo.username == '${local.autoscaler_user}'" }]
+      validations = [
+        {
+          expression = "!(${format(local.is, "apps", "deployments")}) || (object.metadata.name.startsWith('tm-worker-') && has(object.metadata.labels) && object.metadata.labels.exists(k, k == 'app.kubernetes.io/managed-by' && object.metadata.labels[k] == 'tokenmill-autoscaler'))"
+          message    = "the autoscaler creates worker Deployments only (tm-worker-*, managed by tokenmill-autoscaler)"
+        },
+        {
+          expression = "!(${format(local.is, "apps", "deployments")}) || (object.spec.template.spec.serviceAccountName == '${local.service_accounts.worker}' && object.spec.template.spec.automountServiceAccountToken == false && object.spec.template.spec.priorityClassName == 'tokenmill-worker')"
+          message    = "worker pods run as the tokenmill-worker service account, without its API token, at the workers' priority"
+        },
+        {
+          expression = "!(${format(local.is, "apps", "deployments")}) || (!has(object.spec.template.spec.initContainers) && !has(object.spec.template.spec.ephemeralContainers) && object.spec.template.spec.containers.all(c, c.image == '${var.worker_image}'))"
+          message    = "worker pods run the worker image (TOKENMILL_WORKER_IMAGE) and nothing else"
+        },
+        {
+          expression = "!(${format(local.is, "apps", "deployments")}) || object.spec.template.spec.containers.all(c, (!has(c.envFrom) || c.envFrom.all(e, has(e.secretRef) && e.secretRef.name == '${local.worker_secret}')) && (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))))"
+          message    = "worker pods read the worker Secret and no other"
+        },
+        {
+          expression = "!(${format(local.is, "apps", "deployments")}) || ((!has(object.spec.template.spec.volumes) || object.spec.template.spec.volumes.all(v, has(v.emptyDir))) && !(has(object.spec.template.spec.hostNetwork) && object.spec.template.spec.hostNetwork) && !(has(object.spec.template.spec.hostPID) && object.spec.template.spec.hostPID) && !(has(object.spec.template.spec.hostIPC) && object.spec.template.spec.hostIPC))"
+          message    = "worker pods use emptyDir volumes only and nothing of the host"
+        },
+        {
+          expression = "!(${format(local.is, "policy", "poddisruptionbudgets")}) || (object.metadata.name.startsWith('tm-worker-') && object.spec.selector.matchLabels['app.kubernetes.io/name'] == 'tokenmill-worker')"
+          message    = "the autoscaler creates disruption budgets of workers only"
+        },
+        {
+          expression = "!(${format(local.is, "scheduling.k8s.io", "priorityclasses")}) || (object.metadata.name == 'tokenmill-worker' && object.value <= 1000000 && !(has(object.globalDefault) && object.globalDefault) && has(object.preemptionPolicy) && object.preemptionPolicy == 'Never')"
+          message    = "the autoscaler creates the tokenmill-worker PriorityClass only: not the default, never preempting, below the system's classes"
+        },
+        {
+          expression = "!(${format(local.is, "", "pods")}) || (has(oldObject.metadata.labels) && oldObject.metadata.labels.exists(k, k == 'app.kubernetes.io/name' && oldObject.metadata.labels[k] == 'tokenmill-worker') && (request.operation == 'DELETE' || object.spec == oldObject.spec))"
+          message    = "the autoscaler marks (annotations only) or deletes worker pods only"
+        },
+      ]
+    }
+  }
+
+  autoscaler_policy_binding = {
+    apiVersion = "admissionregistration.k8s.io/v1"
+    kind       = "ValidatingAdmissionPolicyBinding"
+    metadata   = { name = "tokenmill-autoscaler", labels = local.common_labels }
+    spec       = { policyName = "tokenmill-autoscaler", validationActions = ["Deny"] }
+  }
+}
+
+resource "helm_release" "policies" {
+  name      = "tokenmill-policies"
+  chart     = "${path.module}/../../charts/manifests"
+  namespace = kubernetes_namespace_v1.this.metadata[0].name
+
+  values = [yamlencode({ manifests = [local.autoscaler_policy, local.autoscaler_policy_binding] })]
 }
 
 # --- migrations: a Job per image, before the rollout ----------------------------------------
@@ -244,13 +500,13 @@ resource "kubernetes_job_v1" "migrate" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-migrate" # External Secrets renders it (local.component_secrets)
             }
           }
 
           resources {
-            requests = { cpu = var.resources.migrate.cpu, memory = var.resources.migrate.memory }
-            limits   = { cpu = var.resources.migrate.cpu_limit, memory = var.resources.migrate.memory }
+            requests = { cpu = var.resources.migrate.cpu, memory = var.resources.migrate.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.migrate.cpu_limit, memory = var.resources.migrate.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -276,16 +532,22 @@ resource "kubernetes_job_v1" "migrate" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
   }
+
+  depends_on = [helm_release.secrets]
 
   wait_for_completion = true
 
@@ -331,9 +593,10 @@ resource "kubernetes_deployment_v1" "gateway" {
       }
 
       spec {
-        service_account_name             = kubernetes_service_account_v1.this["gateway"].metadata[0].name
-        automount_service_account_token  = false
-        termination_grace_period_seconds = 120 # in-flight streams finish before the pod goes
+        service_account_name            = kubernetes_service_account_v1.this["gateway"].metadata[0].name
+        automount_service_account_token = false
+        # preStop (the ALB drains the target), then uvicorn's graceful shutdown: modules/rollout.
+        termination_grace_period_seconds = module.rollout.termination_grace_period_seconds
         node_selector                    = local.system_nodes
 
         security_context {
@@ -377,7 +640,17 @@ resource "kubernetes_deployment_v1" "gateway" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-gateway" # External Secrets renders it (local.component_secrets)
+            }
+          }
+
+          # Keep serving while the ALB drains this target (it sends nothing new meanwhile), then
+          # SIGTERM starts uvicorn's graceful shutdown.
+          lifecycle {
+            pre_stop {
+              exec {
+                command = ["sleep", tostring(module.rollout.prestop_seconds)]
+              }
             }
           }
 
@@ -390,19 +663,21 @@ resource "kubernetes_deployment_v1" "gateway" {
             failure_threshold = 3
           }
 
+          # Alive = the process accepts connections; ready = /health answers (and, behind the ALB,
+          # the target is healthy: readiness gate). Distinct, so a slow /health never kills a pod.
           liveness_probe {
-            http_get {
-              path = "/health"
+            tcp_socket {
               port = "http"
             }
+            timeout_seconds       = 5
             initial_delay_seconds = 10
             period_seconds        = 10
             failure_threshold     = 6
           }
 
           resources {
-            requests = { cpu = var.resources.gateway.cpu, memory = var.resources.gateway.memory }
-            limits   = { cpu = var.resources.gateway.cpu_limit, memory = var.resources.gateway.memory }
+            requests = { cpu = var.resources.gateway.cpu, memory = var.resources.gateway.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.gateway.cpu_limit, memory = var.resources.gateway.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -428,12 +703,16 @@ resource "kubernetes_deployment_v1" "gateway" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
@@ -443,7 +722,7 @@ resource "kubernetes_deployment_v1" "gateway" {
     ignore_changes = [spec[0].replicas]
   }
 
-  depends_on = [kubernetes_job_v1.migrate]
+  depends_on = [kubernetes_job_v1.migrate, helm_release.secrets]
 }
 
 resource "kubernetes_service_v1" "gateway" {
@@ -566,7 +845,7 @@ resource "kubernetes_deployment_v1" "control_plane" {
       spec {
         service_account_name             = kubernetes_service_account_v1.this["control_plane"].metadata[0].name
         automount_service_account_token  = false
-        termination_grace_period_seconds = 60
+        termination_grace_period_seconds = module.rollout.termination_grace_period_seconds
         node_selector                    = local.system_nodes
 
         security_context {
@@ -610,7 +889,24 @@ resource "kubernetes_deployment_v1" "control_plane" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-control-plane" # External Secrets renders it (local.component_secrets)
+            }
+          }
+
+          env_from {
+            secret_ref {
+              name     = local.stripe_secret
+              optional = true
+            }
+          }
+
+          # Keep serving while the ALB drains this target (it sends nothing new meanwhile), then
+          # SIGTERM starts uvicorn's graceful shutdown.
+          lifecycle {
+            pre_stop {
+              exec {
+                command = ["sleep", tostring(module.rollout.prestop_seconds)]
+              }
             }
           }
 
@@ -623,19 +919,21 @@ resource "kubernetes_deployment_v1" "control_plane" {
             failure_threshold = 3
           }
 
+          # Alive = the process accepts connections; ready = /health answers (and, behind the ALB,
+          # the target is healthy: readiness gate). Distinct, so a slow /health never kills a pod.
           liveness_probe {
-            http_get {
-              path = "/health"
+            tcp_socket {
               port = "http"
             }
+            timeout_seconds       = 5
             initial_delay_seconds = 10
             period_seconds        = 10
             failure_threshold     = 6
           }
 
           resources {
-            requests = { cpu = var.resources.control_plane.cpu, memory = var.resources.control_plane.memory }
-            limits   = { cpu = var.resources.control_plane.cpu_limit, memory = var.resources.control_plane.memory }
+            requests = { cpu = var.resources.control_plane.cpu, memory = var.resources.control_plane.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.control_plane.cpu_limit, memory = var.resources.control_plane.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -661,18 +959,22 @@ resource "kubernetes_deployment_v1" "control_plane" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
   }
 
-  depends_on = [kubernetes_job_v1.migrate]
+  depends_on = [kubernetes_job_v1.migrate, helm_release.secrets]
 }
 
 resource "kubernetes_service_v1" "control_plane" {
@@ -768,7 +1070,14 @@ resource "kubernetes_deployment_v1" "celery_worker" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-billing" # External Secrets renders it (local.component_secrets)
+            }
+          }
+
+          env_from {
+            secret_ref {
+              name     = local.stripe_secret
+              optional = true
             }
           }
 
@@ -783,8 +1092,8 @@ resource "kubernetes_deployment_v1" "celery_worker" {
           }
 
           resources {
-            requests = { cpu = var.resources.celery_worker.cpu, memory = var.resources.celery_worker.memory }
-            limits   = { cpu = var.resources.celery_worker.cpu_limit, memory = var.resources.celery_worker.memory }
+            requests = { cpu = var.resources.celery_worker.cpu, memory = var.resources.celery_worker.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.celery_worker.cpu_limit, memory = var.resources.celery_worker.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -810,18 +1119,22 @@ resource "kubernetes_deployment_v1" "celery_worker" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
   }
 
-  depends_on = [kubernetes_job_v1.migrate]
+  depends_on = [kubernetes_job_v1.migrate, helm_release.secrets]
 }
 
 resource "kubernetes_deployment_v1" "celery_beat" {
@@ -883,13 +1196,20 @@ resource "kubernetes_deployment_v1" "celery_beat" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-billing" # External Secrets renders it (local.component_secrets)
+            }
+          }
+
+          env_from {
+            secret_ref {
+              name     = local.stripe_secret
+              optional = true
             }
           }
 
           resources {
-            requests = { cpu = var.resources.celery_beat.cpu, memory = var.resources.celery_beat.memory }
-            limits   = { cpu = var.resources.celery_beat.cpu_limit, memory = var.resources.celery_beat.memory }
+            requests = { cpu = var.resources.celery_beat.cpu, memory = var.resources.celery_beat.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.celery_beat.cpu_limit, memory = var.resources.celery_beat.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -915,18 +1235,22 @@ resource "kubernetes_deployment_v1" "celery_beat" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
   }
 
-  depends_on = [kubernetes_job_v1.migrate]
+  depends_on = [kubernetes_job_v1.migrate, helm_release.secrets]
 }
 
 # --- worker autoscaler ------------------------------------------------------------------------
@@ -996,7 +1320,7 @@ resource "kubernetes_deployment_v1" "autoscaler" {
 
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.app.metadata[0].name
+              name = "tokenmill-autoscaler" # External Secrets renders it (local.component_secrets)
             }
           }
 
@@ -1009,19 +1333,21 @@ resource "kubernetes_deployment_v1" "autoscaler" {
             failure_threshold = 3
           }
 
+          # Alive = the process accepts connections; ready = /health answers (and, behind the ALB,
+          # the target is healthy: readiness gate). Distinct, so a slow /health never kills a pod.
           liveness_probe {
-            http_get {
-              path = "/health"
+            tcp_socket {
               port = "http"
             }
+            timeout_seconds       = 5
             initial_delay_seconds = 10
             period_seconds        = 10
             failure_threshold     = 6
           }
 
           resources {
-            requests = { cpu = var.resources.autoscaler.cpu, memory = var.resources.autoscaler.memory }
-            limits   = { cpu = var.resources.autoscaler.cpu_limit, memory = var.resources.autoscaler.memory }
+            requests = { cpu = var.resources.autoscaler.cpu, memory = var.resources.autoscaler.memory, "ephemeral-storage" = local.scratch }
+            limits   = { cpu = var.resources.autoscaler.cpu_limit, memory = var.resources.autoscaler.memory, "ephemeral-storage" = local.scratch }
           }
 
           security_context {
@@ -1047,18 +1373,22 @@ resource "kubernetes_deployment_v1" "autoscaler" {
 
         volume {
           name = "state"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
 
         volume {
           name = "tmp"
-          empty_dir {}
+          empty_dir {
+            size_limit = local.scratch
+          }
         }
       }
     }
   }
 
-  depends_on = [kubernetes_job_v1.migrate, kubernetes_role_binding_v1.autoscaler]
+  depends_on = [kubernetes_job_v1.migrate, helm_release.secrets, kubernetes_role_binding_v1.autoscaler, kubernetes_cluster_role_binding_v1.autoscaler, helm_release.policies]
 }
 
 # --- workers ------------------------------------------------------------------------------------
@@ -1078,6 +1408,9 @@ module "worker_template" {
   namespace     = var.namespace
   image         = var.worker_image
   secret        = local.worker_secret
+  # As the autoscaler sizes them: TOKENMILL_WORKER_RESOURCES, TOKENMILL_MAX_STREAM_SECONDS.
+  share              = lookup(var.worker_resources, each.key, {})
+  max_stream_seconds = module.rollout.max_stream_seconds
 }
 
 resource "kubernetes_config_map_v1" "worker_templates" {
@@ -1087,7 +1420,10 @@ resource "kubernetes_config_map_v1" "worker_templates" {
     labels    = merge(local.common_labels, { "app.kubernetes.io/component" = "worker" })
   }
 
-  data = { for kind, template in module.worker_template : "${kind}.json" => jsonencode(template.manifest) }
+  data = merge(
+    { for kind, template in module.worker_template : "${kind}.json" => jsonencode(template.manifest) },
+    { for kind, template in module.worker_template : "${kind}-budget.json" => jsonencode(template.disruption_budget) },
+  )
 }
 
 resource "kubernetes_network_policy_v1" "workers" {
@@ -1140,7 +1476,38 @@ resource "kubernetes_network_policy_v1" "workers" {
   }
 }
 
+# --- monitoring -------------------------------------------------------------------------------
+
+module "monitoring" {
+  source = "./modules/monitoring"
+
+  namespace      = var.namespace
+  services       = [for name in ["gateway", "control_plane", "autoscaler"] : local.labels[name]["app.kubernetes.io/name"]]
+  metrics_secret = "tokenmill-metrics"
+}
+
+# PodMonitors and alert rules (CRDs of the Prometheus operator, modules/addons).
+resource "helm_release" "monitoring" {
+  count = var.monitoring ? 1 : 0
+
+  name      = "tokenmill-monitoring"
+  chart     = "${path.module}/../../charts/manifests"
+  namespace = kubernetes_namespace_v1.this.metadata[0].name
+
+  values = [yamlencode({ manifests = module.monitoring.manifests })]
+
+  depends_on = [helm_release.secrets] # the workers' metrics token
+}
+
 # --- ingress ----------------------------------------------------------------------------------
+
+locals {
+  # The ALB keeps sending in-flight requests to a draining target this long (the longest
+  # stream), and the pods' preStop outlasts it (modules/rollout).
+  target_group_attributes = {
+    "alb.ingress.kubernetes.io/target-group-attributes" = "deregistration_delay.timeout_seconds=${module.rollout.deregistration_delay_seconds}"
+  }
+}
 
 resource "kubernetes_ingress_v1" "api" {
   count = var.api_host == null ? 0 : 1
@@ -1149,7 +1516,7 @@ resource "kubernetes_ingress_v1" "api" {
     name        = "tokenmill-api"
     namespace   = kubernetes_namespace_v1.this.metadata[0].name
     labels      = local.common_labels
-    annotations = var.api_ingress_annotations
+    annotations = merge(var.api_ingress_annotations, local.target_group_attributes)
   }
 
   spec {
@@ -1208,7 +1575,7 @@ resource "kubernetes_ingress_v1" "admin" {
     name        = "tokenmill-admin"
     namespace   = kubernetes_namespace_v1.this.metadata[0].name
     labels      = local.common_labels
-    annotations = var.admin_ingress_annotations
+    annotations = merge(var.admin_ingress_annotations, local.target_group_attributes)
   }
 
   spec {

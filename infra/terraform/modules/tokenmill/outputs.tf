@@ -19,8 +19,20 @@ output "service_accounts" {
 }
 
 output "worker_secret" {
-  description = "Secret the worker pods take their environment from (TOKENMILL_WORKER_SECRET)."
-  value       = kubernetes_secret_v1.worker.metadata[0].name
+  description = "Secret the worker pods take their environment from (TOKENMILL_WORKER_SECRET), rendered by External Secrets."
+  value       = local.worker_secret
+}
+
+output "rollout" {
+  description = "The graceful-rollout timings (seconds): deregistration delay, preStop, graceful shutdown, grace periods."
+  value = {
+    max_stream                = module.rollout.max_stream_seconds
+    deregistration_delay      = module.rollout.deregistration_delay_seconds
+    prestop                   = module.rollout.prestop_seconds
+    graceful_shutdown         = module.rollout.graceful_shutdown_seconds
+    termination_grace_period  = module.rollout.termination_grace_period_seconds
+    worker_termination_period = module.rollout.worker_termination_grace_period_seconds
+  }
 }
 
 output "worker_templates" {

@@ -40,50 +40,60 @@ variable "image_pull_policy" {
   }
 }
 
-# --- secrets (stored in Kubernetes Secrets, never in a ConfigMap) ------------------------
+# --- secrets: Secrets Manager, through External Secrets --------------------------------
 
-variable "internal_token" {
-  description = "TOKENMILL_INTERNAL_TOKEN: shared secret of the workers' endpoints and internal traffic."
-  type        = string
-  sensitive   = true
+variable "secret_store" {
+  description = "Where External Secrets reads Secrets Manager from: the region and the IAM role of the tokenmill-secrets service account (modules/secrets reader_role_arn)."
+  type = object({
+    region   = string
+    role_arn = string
+  })
 
   validation {
-    condition     = length(var.internal_token) >= 32
-    error_message = "internal_token must be at least 32 characters."
+    condition     = can(regex("^arn:aws[a-z-]*:iam::[0-9]{12}:role/", var.secret_store.role_arn))
+    error_message = "secret_store.role_arn must be an IAM role ARN."
   }
 }
 
-variable "secret_key" {
-  description = "TOKENMILL_SECRET_KEY: key of the keyed hash of API keys (changing it invalidates every API key)."
-  type        = string
-  sensitive   = true
+variable "secrets" {
+  description = "Names (or ARNs) in Secrets Manager of Tokenmill's secrets (modules/secrets secret_names): internal_token, worker_token, secret_key, database_app (JSON username, password) and stripe (JSON of TOKENMILL_STRIPE_* keys)."
+  type = object({
+    internal_token = string
+    worker_token   = string
+    secret_key     = string
+    database_app   = string
+    stripe         = string
+  })
+}
+
+variable "database" {
+  description = "PostgreSQL: host, port, database, and the Secrets Manager secret of the owner the migrations run as (RDS's master user secret, JSON username, password)."
+  type = object({
+    address      = string
+    port         = number
+    name         = string
+    owner_secret = string
+  })
+}
+
+variable "redis" {
+  description = "Redis (TLS): the primary endpoint, the port, and the Secrets Manager secret of each component's Redis user (modules/cache user_secret_arns: gateway, control-plane, billing, autoscaler, worker)."
+  type = object({
+    endpoint     = string
+    port         = number
+    user_secrets = map(string)
+  })
 
   validation {
-    condition     = length(var.secret_key) >= 32
-    error_message = "secret_key must be at least 32 characters."
+    condition     = alltrue([for user in ["gateway", "control-plane", "billing", "autoscaler", "worker"] : contains(keys(var.redis.user_secrets), user)])
+    error_message = "redis.user_secrets needs the users gateway, control-plane, billing, autoscaler and worker."
   }
 }
 
-variable "database_url" {
-  description = "DATABASE_URL: postgresql+asyncpg://user:password@host:5432/db?ssl=require"
+variable "secret_refresh_interval" {
+  description = "How often External Secrets re-reads Secrets Manager (a rotated value reaches the Secrets then; pods read it when they restart)."
   type        = string
-  sensitive   = true
-
-  validation {
-    condition     = startswith(var.database_url, "postgresql+asyncpg://")
-    error_message = "database_url must be a postgresql+asyncpg:// URL."
-  }
-}
-
-variable "redis_url" {
-  description = "REDIS_URL: rediss://:token@host:6379/0 (TLS with AUTH)."
-  type        = string
-  sensitive   = true
-
-  validation {
-    condition     = startswith(var.redis_url, "rediss://")
-    error_message = "redis_url must be a rediss:// (TLS) URL."
-  }
+  default     = "1h"
 }
 
 variable "storage_url" {
@@ -100,30 +110,6 @@ variable "s3_region" {
   description = "TOKENMILL_S3_REGION: region of the bucket; null: boto3's default."
   type        = string
   default     = null
-}
-
-variable "stripe_api_key" {
-  description = "TOKENMILL_STRIPE_API_KEY (sk_...); null: nothing is sent to Stripe."
-  type        = string
-  default     = null
-  sensitive   = true
-
-  validation {
-    condition     = var.stripe_api_key == null || can(regex("^(sk|rk)_", var.stripe_api_key))
-    error_message = "stripe_api_key must be a Stripe secret or restricted key (sk_... or rk_...)."
-  }
-}
-
-variable "stripe_webhook_secret" {
-  description = "TOKENMILL_STRIPE_WEBHOOK_SECRET (whsec_...); null: /webhooks/stripe answers 503."
-  type        = string
-  default     = null
-  sensitive   = true
-
-  validation {
-    condition     = var.stripe_webhook_secret == null || startswith(coalesce(var.stripe_webhook_secret, "whsec_"), "whsec_")
-    error_message = "stripe_webhook_secret must start with whsec_."
-  }
 }
 
 # --- IAM roles for service accounts (modules/storage outputs) --------------------------
@@ -234,6 +220,24 @@ variable "worker_gpu_types" {
   }
 }
 
+variable "worker_resources" {
+  description = "TOKENMILL_WORKER_RESOURCES: one GPU's share of a worker pod per GPU type (modules/worker-sizing worker_resources: cpu_millis, memory_mib, ephemeral_gib, model_cache_gib)."
+  type        = map(map(number))
+  default     = {}
+}
+
+variable "max_stream_seconds" {
+  description = "TOKENMILL_MAX_STREAM_SECONDS: the longest a stream may run; the ALB's deregistration delay, the pods' preStop, graceful shutdown and grace period follow from it (modules/rollout)."
+  type        = number
+  default     = 600
+}
+
+variable "monitoring" {
+  description = "Create the PodMonitors and alert rules (needs the Prometheus operator's CRDs: modules/addons)."
+  type        = bool
+  default     = true
+}
+
 variable "worker_template_model" {
   description = "Model source written into the worker templates (replace it when applying one by hand)."
   type        = string
@@ -311,11 +315,12 @@ variable "settings" {
   validation {
     condition = alltrue([
       for k in keys(var.settings) : startswith(k, "TOKENMILL_") && !contains([
-        "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY", "TOKENMILL_CELERY_BROKER_URL",
-        "TOKENMILL_STRIPE_API_KEY", "TOKENMILL_STRIPE_WEBHOOK_SECRET",
+        "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_WORKER_TOKEN", "TOKENMILL_SECRET_KEY", "TOKENMILL_CELERY_BROKER_URL",
+        "TOKENMILL_STRIPE_API_KEY", "TOKENMILL_STRIPE_WEBHOOK_SECRET", "TOKENMILL_APP_DATABASE_URL",
+        "TOKENMILL_MAX_STREAM_SECONDS", "TOKENMILL_SHUTDOWN_GRACE_SECONDS", "TOKENMILL_WORKER_RESOURCES",
       ], k)
     ])
-    error_message = "settings keys must be TOKENMILL_* environment variables, and no secret: secrets have their own (sensitive) variables."
+    error_message = "settings keys must be TOKENMILL_* environment variables, no secret (Secrets Manager holds them) and none of those with a variable of their own (max_stream_seconds, worker_resources)."
   }
 }
 

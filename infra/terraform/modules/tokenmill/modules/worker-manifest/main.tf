@@ -20,8 +20,18 @@ locals {
     )
   )
 
-  cpu    = coalesce(var.cpu, local.gpu ? "4" : "2")
-  memory = coalesce(var.memory, local.gpu ? "32Gi" : "8Gi")
+  # One GPU's share (TOKENMILL_WORKER_RESOURCES of its type, else the default); a pod with n
+  # GPUs asks n times it. A CPU worker has a size of its own.
+  default_gpu_share = { cpu_millis = 3000, memory_mib = 12288, ephemeral_gib = 50, model_cache_gib = 40 }
+  cpu_worker        = { cpu_millis = 2000, memory_mib = 8192, ephemeral_gib = 20, model_cache_gib = 10 }
+  share             = local.gpu ? merge(local.default_gpu_share, var.share) : local.cpu_worker
+  gpus              = local.gpu ? var.gpus : 0
+  units             = max(local.gpus, 1)
+
+  cpu     = coalesce(var.cpu, "${local.units * local.share.cpu_millis}m")
+  memory  = coalesce(var.memory, "${local.units * local.share.memory_mib}Mi")
+  scratch = "${local.units * local.share.ephemeral_gib}Gi" # the model cache is part of it
+  cache   = "${local.units * local.share.model_cache_gib}Gi"
 
   labels = {
     "app.kubernetes.io/name"       = "tokenmill-worker"
@@ -43,6 +53,8 @@ locals {
       { name = "TOKENMILL_WORKER_HOST", value = "0.0.0.0" },
       { name = "TOKENMILL_WORKER_PORT", value = "8080" },
       { name = "TOKENMILL_HOME", value = "/var/lib/tokenmill" },
+      { name = "TOKENMILL_MODEL_CACHE", value = "/var/lib/tokenmill/models" },
+      { name = "TOKENMILL_MAX_STREAM_SECONDS", value = tostring(var.max_stream_seconds) },
       # The root filesystem is read-only: caches that default to ~ (Triton's, torch's) too.
       { name = "HOME", value = "/var/lib/tokenmill" },
     ],
@@ -52,14 +64,18 @@ locals {
   ports = [{ name = "http", containerPort = 8080, protocol = "TCP" }]
 
   # /ready answers without the internal token, once the model is loaded (which may take
-  # minutes); /health and every other worker endpoint need the token.
-  startup_probe   = { httpGet = { path = "/ready", port = "http" }, periodSeconds = 10, failureThreshold = 60 }
+  # many minutes: 20 here); /health and every other worker endpoint need the token. Liveness
+  # is the port alone: a busy or draining worker is never killed for a slow answer.
+  startup_probe   = { httpGet = { path = "/ready", port = "http" }, periodSeconds = 10, failureThreshold = 120 }
   readiness_probe = { httpGet = { path = "/ready", port = "http" }, periodSeconds = 5, failureThreshold = 3 }
-  liveness_probe  = { httpGet = { path = "/ready", port = "http" }, periodSeconds = 10, failureThreshold = 6 }
+  liveness_probe  = { tcpSocket = { port = "http" }, periodSeconds = 10, timeoutSeconds = 5, failureThreshold = 6 }
 
   resources = {
-    limits   = merge({ for k, v in { "nvidia.com/gpu" = "1" } : k => v if local.gpu }, { memory = local.memory })
-    requests = { cpu = local.cpu, memory = local.memory }
+    limits = merge(
+      { for k, v in { "nvidia.com/gpu" = tostring(local.gpus) } : k => v if local.gpu },
+      { memory = local.memory, "ephemeral-storage" = local.scratch },
+    )
+    requests = { cpu = local.cpu, memory = local.memory, "ephemeral-storage" = local.scratch }
   }
 
   container_security_context = {
@@ -76,10 +92,12 @@ locals {
 
   volumes = [
     { name = "state", emptyDir = {} },
+    { name = "model-cache", emptyDir = { sizeLimit = local.cache } },
     { name = "tmp", emptyDir = {} },
   ]
   volume_mounts = [
     { name = "state", mountPath = "/var/lib/tokenmill" },
+    { name = "model-cache", mountPath = "/var/lib/tokenmill/models" },
     { name = "tmp", mountPath = "/tmp" },
   ]
 
@@ -108,9 +126,11 @@ locals {
 
   pod_spec = merge(
     {
-      serviceAccountName            = "tokenmill-worker"
-      automountServiceAccountToken  = false
-      terminationGracePeriodSeconds = 600
+      serviceAccountName           = "tokenmill-worker"
+      automountServiceAccountToken = false
+      priorityClassName            = "tokenmill-worker"
+      # The longest stream a gateway lets run, and a minute to say goodbye on the bus.
+      terminationGracePeriodSeconds = var.max_stream_seconds + 60
       securityContext               = local.pod_security_context
       containers                    = [local.container]
       volumes                       = local.volumes
@@ -138,6 +158,18 @@ locals {
       replicas = var.replicas
       selector = { matchLabels = local.selector }
       template = local.pod_template
+    }
+  }
+
+  # Beside it (same name): voluntary disruptions take one of its workers at a time.
+  disruption_budget = {
+    apiVersion = "policy/v1"
+    kind       = "PodDisruptionBudget"
+    metadata   = { name = local.name, namespace = var.namespace, labels = local.labels }
+    spec = {
+      maxUnavailable             = 1
+      selector                   = { matchLabels = local.selector }
+      unhealthyPodEvictionPolicy = "AlwaysAllow"
     }
   }
 }

@@ -51,13 +51,41 @@ variable "secret" {
 }
 
 variable "cpu" {
-  description = "CPU request of a worker; null: 4 for GPU workers, 2 for CPU workers."
+  description = "CPU request of a worker (overrides the share); null: gpus x the share's cpu_millis (GPU workers), 2000m (CPU workers)."
   type        = string
   default     = null
 }
 
 variable "memory" {
-  description = "Memory request and limit of a worker; null: 32Gi for GPU workers, 8Gi for CPU workers."
+  description = "Memory request and limit of a worker (overrides the share); null: gpus x the share's memory_mib (GPU workers), 8192Mi (CPU workers)."
   type        = string
   default     = null
+}
+
+variable "gpus" {
+  description = "GPUs of one worker pod (a multi-GPU replica asks gpus x the share)."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.gpus >= 1 && floor(var.gpus) == var.gpus
+    error_message = "gpus must be a whole number, 1 or more."
+  }
+}
+
+variable "share" {
+  description = "One GPU's share of a worker pod (TOKENMILL_WORKER_RESOURCES of the GPU type): cpu_millis, memory_mib, ephemeral_gib, model_cache_gib; missing keys take the defaults (3000, 12288, 50, 40)."
+  type        = map(number)
+  default     = {}
+
+  validation {
+    condition     = alltrue([for k in keys(var.share) : contains(["cpu_millis", "memory_mib", "ephemeral_gib", "model_cache_gib"], k)])
+    error_message = "share keys are cpu_millis, memory_mib, ephemeral_gib and model_cache_gib."
+  }
+}
+
+variable "max_stream_seconds" {
+  description = "TOKENMILL_MAX_STREAM_SECONDS: the grace period is a minute longer."
+  type        = number
+  default     = 600
 }

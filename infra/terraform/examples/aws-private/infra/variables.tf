@@ -80,38 +80,35 @@ variable "cluster_admin_principal_arns" {
   default     = []
 }
 
-variable "system_node_group" {
-  description = "Sizes of the services' node group (see modules/cluster)."
-  type = object({
-    instance_types = optional(list(string), ["m7i.xlarge"])
-    min_size       = optional(number, 2)
-    max_size       = optional(number, 6)
-    desired_size   = optional(number, 3)
-    disk_size_gib  = optional(number, 50)
-  })
-  default = {}
+variable "api_access_cidrs" {
+  description = "CIDR blocks inside the network allowed to the private Kubernetes API on 443: the subnet of the runner that applies the platform stack (CI in the VPC, a VPN, a peered network), operators' VPN."
+  type        = list(string)
+  default     = []
 }
 
-variable "gpu_node_groups" {
-  description = "GPU node groups by name; gpu_type is the price book's name of the GPU (see modules/cluster)."
-  type = map(object({
-    gpu_type       = string
-    instance_types = list(string)
-    min_size       = optional(number, 0)
-    max_size       = optional(number, 4)
-    desired_size   = optional(number, 0)
-    disk_size_gib  = optional(number, 200)
-    ami_type       = optional(string, "BOTTLEROCKET_x86_64_NVIDIA")
-    capacity_type  = optional(string, "ON_DEMAND")
-  }))
-  default = {
-    a10g = { gpu_type = "a10g", instance_types = ["g5.2xlarge"] }
-  }
+variable "api_access_security_group_ids" {
+  description = "Security groups (a CI runner's, a bastion's) allowed to the private Kubernetes API on 443."
+  type        = list(string)
+  default     = []
+}
 
-  validation {
-    condition     = length(var.gpu_node_groups) <= 10
-    error_message = "At most 10 GPU node groups."
+check "the_runner_reaches_the_api" {
+  assert {
+    condition     = var.cluster_endpoint_public_access || length(var.api_access_cidrs) + length(var.api_access_security_group_ids) > 0
+    error_message = "Nothing will reach the Kubernetes API (private, and no api_access_cidrs or api_access_security_group_ids): the platform stack cannot be applied from outside the cluster."
   }
+}
+
+variable "system_node_group" {
+  description = "The services' node group: AMI release (pinned: required), instance types and sizes (see modules/cluster)."
+  type = object({
+    release_version = string
+    instance_types  = optional(list(string), ["m7i.xlarge"])
+    min_size        = optional(number, 2)
+    max_size        = optional(number, 6)
+    desired_size    = optional(number, 3)
+    disk_size_gib   = optional(number, 50)
+  })
 }
 
 variable "db_instance_class" {
@@ -182,73 +179,22 @@ variable "namespace" {
   }
 }
 
-variable "image" {
-  description = "Services image (built from Dockerfile and pushed to your registry), with a version tag or digest."
-  type        = string
-
-  validation {
-    condition     = can(regex("(:[A-Za-z0-9_][A-Za-z0-9_.-]*|@sha256:[0-9a-f]{64})$", var.image)) && !endswith(var.image, ":latest")
-    error_message = "image must carry a version tag or a digest, not :latest."
-  }
-}
-
-variable "worker_image" {
-  description = "GPU worker image (built from Dockerfile.worker), with a version tag or digest."
-  type        = string
-
-  validation {
-    condition     = can(regex("(:[A-Za-z0-9_][A-Za-z0-9_.-]*|@sha256:[0-9a-f]{64})$", var.worker_image)) && !endswith(var.worker_image, ":latest")
-    error_message = "worker_image must carry a version tag or a digest, not :latest."
-  }
-}
-
-variable "api_host" {
-  description = "Public host name of the API (e.g. api.example.com); null: no load balancer."
-  type        = string
-  default     = null
-}
-
-variable "admin_host" {
-  description = "Host name of the admin API and dashboard, on an internal load balancer; null: none (use kubectl port-forward)."
-  type        = string
-  default     = null
-}
-
-variable "certificate_arn" {
-  description = "ACM certificate covering api_host and admin_host (required with either)."
-  type        = string
-  default     = null
-
-  validation {
-    condition     = var.certificate_arn == null || can(regex("^arn:aws[a-z-]*:acm:[a-z0-9-]+:[0-9]{12}:certificate/", coalesce(var.certificate_arn, "x")))
-    error_message = "certificate_arn must be an ACM certificate ARN."
-  }
-}
-
-variable "api_allowed_cidrs" {
-  description = "CIDR blocks allowed to reach the public API load balancer."
-  type        = list(string)
-  default     = ["0.0.0.0/0"]
-}
-
-variable "stripe_api_key" {
-  description = "Stripe secret key; null: no Stripe."
-  type        = string
-  default     = null
-  sensitive   = true
-}
-
-variable "stripe_webhook_secret" {
-  description = "Stripe webhook signing secret; null: the webhook answers 503."
-  type        = string
-  default     = null
-  sensitive   = true
-}
-
-variable "tokenmill_settings" {
-  description = "Further TOKENMILL_* settings of the services (see the README's settings table)."
-  type        = map(string)
+variable "secret_versions" {
+  description = "Raise one (internal-token, worker-token, secret-key, database-app) to write a new value into Secrets Manager (rotation; see the README)."
+  type        = map(number)
   default     = {}
+}
+
+variable "route53_zone_ids" {
+  description = "Route 53 hosted zones of the API and admin host names; external-dns (installed by the platform stack) keeps their records. Empty: point the names at the load balancers yourself."
+  type        = list(string)
+  default     = []
+}
+
+variable "log_retention_days" {
+  description = "Days the containers' logs are kept in CloudWatch Logs."
+  type        = number
+  default     = 90
 }
 
 variable "tags" {
