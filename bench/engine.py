@@ -14,12 +14,19 @@ another, with the prefix cache on and off, and compares mean time to first token
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+if __name__ == "__main__":
+    # OpenMP threads as a worker's engine process runs them (workers/engine/process.py): set
+    # before torch loads libgomp. Not when imported (bench/served.py), whose children are servers.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -77,34 +84,78 @@ def run_hf(model_dir: Path, reqs: list[Request], batch: int) -> float:
     return useful / (time.perf_counter() - start)
 
 
-def run_engine(engine: LLMEngine, reqs: list[Request]) -> tuple[float, float]:
-    """(useful output tokens/s, decode-only tokens/s) with every request arriving at once."""
+@dataclass(slots=True)
+class EngineRun:
+    tokens_per_s: float  # useful output tokens over the wall time
+    decode_tokens_per_s: float  # over the pure decode steps only
+    decode_batch: float  # mean sequences per pure decode step
+    ttfts: list[float]  # seconds from the start to each request's first token
+    output_tokens: int
+    wall: float
+    cpu: float  # CPU seconds of this process (all its threads) over the run
+
+
+def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
+    """Every request arriving at once; throughput, decode-only throughput and TTFTs."""
+    start, cpu = time.perf_counter(), time.process_time()
     for i, r in enumerate(reqs):
         engine.add_request(
             str(i), r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
         )
     useful = 0
-    decode_tokens, decode_seconds = 0, 0.0
-    start = time.perf_counter()
+    decode_tokens, decode_seconds, decode_steps = 0, 0.0, 0
+    first: dict[str, float] = {}
     while engine.has_unfinished():
         running_before = engine.scheduler.num_running
         t = time.perf_counter()
         outs = engine.step()
-        dt = time.perf_counter() - t
-        useful += len(outs)
+        now = time.perf_counter()
+        useful += sum(len(o.token_ids) for o in outs)
+        for o in outs:
+            first.setdefault(o.request_id, now - start)
         # A pure decode step: every running sequence got one token and nobody was admitted.
         if outs and len(outs) == running_before and engine.scheduler.num_waiting == 0:
             decode_tokens += len(outs)
-            decode_seconds += dt
+            decode_seconds += now - t
+            decode_steps += 1
     total = time.perf_counter() - start
-    return useful / total, decode_tokens / decode_seconds if decode_seconds else 0.0
+    return EngineRun(
+        tokens_per_s=useful / total,
+        decode_tokens_per_s=decode_tokens / decode_seconds if decode_seconds else 0.0,
+        decode_batch=decode_tokens / decode_steps if decode_steps else 0.0,
+        ttfts=sorted(first.values()),
+        output_tokens=useful,
+        wall=total,
+        cpu=time.process_time() - cpu,
+    )
 
 
-def shared_prefix_ttft(
-    model_dir: Path, vocab: int, n: int, prefix_len: int, caching: bool, threads: int
-) -> float:
+def decode_at_batch(engine: LLMEngine, vocab: int, batch: int, context: int, steps: int) -> float:
+    """Tokens/s of pure decode steps at exactly `batch` sequences of about `context` tokens
+    (what the roofline below bounds); the prefills before them are not timed."""
+    rng = random.Random(5)
+    for i in range(batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(context)]
+        engine.add_request(
+            f"d{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        )
+    while engine.scheduler.num_waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the first decode step after the prefills: warm
+    tokens, start = 0, time.perf_counter()
+    for _ in range(steps):
+        tokens += len(engine.step())
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return tokens / seconds
+
+
+def shared_prefix_ttft(config: EngineConfig, vocab: int, n: int, prefix_len: int, caching: bool) -> float:
     """Mean time to first token over n requests sharing a prefix, sent one after another."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), enable_prefix_caching=caching))
+    config = copy.copy(config)
+    config.enable_prefix_caching = caching
+    engine = LLMEngine(config)
     rng = random.Random(7)
     system = [rng.randrange(100, vocab) for _ in range(prefix_len)]
     ttfts = []
@@ -141,6 +192,20 @@ def ceilings(threads: int) -> tuple[float, float]:
     return flops, bandwidth
 
 
+def engine_config(model_dir: Path, kv_cache_gib: float | None) -> EngineConfig:
+    """The engine as a worker builds it (workers/main.py), with the KV memory asked for."""
+    from tokenmill.settings import Settings
+
+    settings = Settings()
+    if kv_cache_gib is not None:
+        settings.kv_cache_gib = kv_cache_gib
+    try:
+        from workers.main import engine_config as worker_config
+    except ImportError:  # a source tree from before workers.main had it (bench/served.py --tokenmill)
+        return EngineConfig(model=str(model_dir), kv_cache_gib=settings.kv_cache_gib)
+    return worker_config(settings, model_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -148,49 +213,67 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small workload that runs in about a minute")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path("~/.tokenmill/models").expanduser())
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV memory (default: a worker's)")
+    parser.add_argument(
+        "--engine-only", action="store_true", help="only the engine's own figures (no HF, no prefix cache)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="where to write the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_dir = resolve_model("bundled:smollm2", args.cache)
 
     n, prompts, outs = (16, (32, 128), (8, 32)) if args.quick else (64, (32, 512), (16, 256))
-    engine = LLMEngine(EngineConfig(model=str(model_dir)))
+    config = engine_config(model_dir, args.kv_cache_gib)
+    engine = LLMEngine(config)
     vocab = engine.model_config.vocab_size
     params = sum(p.numel() for p in engine.model.parameters())
     reqs = workload(1234, n, vocab, prompts, outs)
 
-    flops, bandwidth = ceilings(args.threads)
-    engine_tps, decode_tps = run_engine(engine, reqs)
-    hf_tps = run_hf(model_dir, reqs, batch=8)
-    prefix_n, prefix_len = (4, 256) if args.quick else (16, 512)
-    ttft_on = shared_prefix_ttft(model_dir, vocab, prefix_n, prefix_len, True, args.threads)
-    ttft_off = shared_prefix_ttft(model_dir, vocab, prefix_n, prefix_len, False, args.threads)
-
-    # Decode roofline at the batch the engine ran: every step reads all weights once (bytes)
-    # and does 2 FLOPs per weight per sequence; whichever takes longer bounds the step.
+    run = run_engine(engine, reqs)
     batch = min(n, engine.config.max_num_seqs)
+    decode_tps = decode_at_batch(engine, vocab, batch, 64 if args.quick else 320, 8 if args.quick else 32)
+    flops, bandwidth = ceilings(args.threads)
+    # Decode roofline at that batch: every step reads all weights once (bytes) and does 2 FLOPs
+    # per weight per sequence; whichever takes longer bounds the step.
     step = max(2 * params * batch / flops, 4 * params / bandwidth)
     roofline = batch / step
-
     rows = [
-        ("HF generate, static batches of 8 (tok/s)", hf_tps),
-        ("engine, continuous batching (tok/s)", engine_tps),
-        ("engine / HF", engine_tps / hf_tps),
-        ("engine decode-only steps (tok/s)", decode_tps),
+        ("engine, continuous batching (tok/s)", run.tokens_per_s),
+        ("TTFT p50 (s)", run.ttfts[len(run.ttfts) // 2]),
+        ("TTFT p99 (s)", run.ttfts[min(len(run.ttfts) - 1, int(0.99 * len(run.ttfts)))]),
+        ("output tokens", float(run.output_tokens)),
+        ("CPU s per 1k output tokens", run.cpu / max(1, run.output_tokens) * 1000),
+        ("wall (s)", run.wall),
+        ("engine decode-only steps (tok/s)", run.decode_tokens_per_s),
+        ("mean batch of those steps", run.decode_batch),
+        (f"engine decode at batch {batch} (tok/s)", decode_tps),
         (f"decode roofline at batch {batch} (tok/s)", roofline),
         ("decode / roofline", decode_tps / roofline),
-        (f"mean TTFT, {prefix_n} x {prefix_len}-token shared prefix, cache off (s)", ttft_off),
-        ("mean TTFT, cache on (s)", ttft_on),
-        ("TTFT off / on", ttft_off / ttft_on),
         ("fp32 matmul (GFLOP/s)", flops / 1e9),
         ("memory bandwidth (GB/s)", bandwidth / 1e9),
     ]
+    if not args.engine_only:
+        del engine
+        hf_tps = run_hf(model_dir, reqs, batch=8)
+        prefix_n, prefix_len = (4, 256) if args.quick else (16, 512)
+        ttft_on = shared_prefix_ttft(config, vocab, prefix_n, prefix_len, True)
+        ttft_off = shared_prefix_ttft(config, vocab, prefix_n, prefix_len, False)
+        rows[1:1] = [
+            ("HF generate, static batches of 8 (tok/s)", hf_tps),
+            ("engine / HF", run.tokens_per_s / hf_tps),
+        ]
+        rows += [
+            (f"mean TTFT, {prefix_n} x {prefix_len}-token shared prefix, cache off (s)", ttft_off),
+            ("mean TTFT, cache on (s)", ttft_on),
+            ("TTFT off / on", ttft_off / ttft_on),
+        ]
     width = max(len(r[0]) for r in rows)
     print(f"\nbench/engine.py  (SmolLM2-135M fp32, {args.threads} threads, {n} requests)")
     for name, value in rows:
         print(f"  {name:<{width}}  {value:10.2f}")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("engine-quick.json" if args.quick else "engine.json")
+    out = args.json or RESULTS / ("engine-quick.json" if args.quick else "engine.json")
     out.write_text(
         json.dumps(
             {

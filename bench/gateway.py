@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.gateway             # 32 connections for 20 s per target
     .venv/bin/python -m bench.gateway --quick     # 5 s per target, to check that it runs
     .venv/bin/python -m bench.gateway --compare /path/to/other/checkout   # A/B two gateways
+    .venv/bin/python -m bench.gateway --compare HEAD --rounds 3   # this tree against a revision
 
 Processes (each its own; this machine has 2 cores, which they all share):
 
@@ -26,6 +27,12 @@ connection for `--latency-seconds` (5) to see the added latency without queueing
 worker is also loaded directly (the floor). CPU per request is the utime + stime delta of
 each process (from /proc) over the run, divided by the requests wrk completed. Without
 `wrk`, `bench._load` (an asyncio client on uvloop, in its own process) generates the load.
+
+`--compare` runs the gateway of another source tree beside this one's, on the same
+services: a directory, or a git revision of this repository (checked out into a temporary
+worktree, removed afterwards). With `--rounds N` the gateways take turns, in alternating
+order, and the table ends with each gateway's median own CPU per request over the rounds and
+its ratio to this tree's.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import secrets
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -355,8 +363,11 @@ async def setup_tenant(db_url: str) -> Tenant:
 
     import migrations
     from billing.models import Price
-    from control_plane.models import ApiKey, Organization, Plan
-    from control_plane.services import ApiKeyService, OrganizationService, bootstrap
+    from control_plane.bootstrap import bootstrap
+    from control_plane.orgs.keys import ApiKeyService
+    from control_plane.orgs.models import ApiKey, Organization
+    from control_plane.orgs.services import OrganizationService
+    from control_plane.plans.models import Plan
     from tokenmill.db import make_engine, make_sessionmaker
 
     await asyncio.to_thread(migrations.upgrade, db_url)
@@ -516,8 +527,8 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres",
                    help="maintenance database of the PostgreSQL server to use")  # fmt: skip
-    p.add_argument("--compare", type=Path, action="append", default=[],
-                   help="also run the gateway of this source tree (A/B); repeatable")  # fmt: skip
+    p.add_argument("--compare", action="append", default=[],
+                   help="also run the gateway of this tree or git revision (A/B); repeatable")  # fmt: skip
     p.add_argument(
         "--rounds", type=int, default=1, help="repeat the gateway runs (alternating with --compare)"
     )
@@ -546,8 +557,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tm-bench-gw-"))
     procs = Processes(tmp)
     try:
-        with database(args.database_url) as db_url:
-            result = run(args, tmp, procs, db_url, cache, wrk, redis_server)
+        with checkouts(args.compare, tmp) as others, database(args.database_url) as db_url:
+            trees = [("gateway", ROOT)] + [(f"gateway@{label}", tree) for label, tree in others]
+            result = run(args, tmp, procs, db_url, cache, wrk, redis_server, trees)
     finally:
         procs.stop()
     RESULTS.mkdir(exist_ok=True)
@@ -561,6 +573,40 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def checkouts(specs: list[str], tmp: Path) -> Iterator[list[tuple[str, Path]]]:
+    """(label, source tree) of each `--compare`: a directory as it is, or a git revision of
+    this repository checked out into a worktree under `tmp`, removed (also from git's list
+    of worktrees) when the run ends however it ends."""
+    trees: list[tuple[str, Path]] = []
+    added: list[Path] = []
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, check=True
+        ).stdout
+
+    try:
+        for spec in specs:
+            if Path(spec).is_dir():
+                tree = Path(spec).resolve()
+                trees.append((tree.name, tree))
+                continue
+            try:
+                sha = git("rev-parse", "--verify", "--short", f"{spec}^{{commit}}").strip()
+            except subprocess.CalledProcessError:
+                sys.exit(f"--compare {spec}: neither a directory nor a git revision of {ROOT}")
+            tree = tmp / f"rev-{sha}"
+            git("worktree", "add", "--detach", "--quiet", str(tree), sha)
+            added.append(tree)
+            trees.append((spec if spec == sha else f"{spec} ({sha})", tree))
+        yield trees
+    finally:
+        for tree in added:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                git("worktree", "remove", "--force", str(tree))
+
+
 def run(
     args: argparse.Namespace,
     tmp: Path,
@@ -569,6 +615,7 @@ def run(
     cache: Path,
     wrk: str | None,
     redis_server: str,
+    trees: list[tuple[str, Path]],
 ) -> dict[str, Any]:
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -603,7 +650,6 @@ def run(
         [sys.executable, "-m", "tokenmill.cli", "control-plane"],
         {**env, "TOKENMILL_PORT": str(cp_port)},
     )
-    trees = [("gateway", ROOT)] + [(f"gateway@{path.name or path}", path.resolve()) for path in args.compare]
     gateways: list[tuple[str, int, str]] = []
     for i, (name, tree) in enumerate(trees):
         port = free_port()
@@ -730,6 +776,11 @@ def run(
         print(f"ERROR: {problem}", file=sys.stderr)
 
     table = report(runs, args.connections)
+    medians = (
+        compare(runs, args.connections, [name for name, _, _ in gateways]) if len(gateways) > 1 else None
+    )
+    if medians is not None:
+        table += "\n\n" + medians[0]
     print(table)
     return {
         "conditions": {
@@ -754,6 +805,7 @@ def run(
             "completion_tokens": tokens,
             "problems": check.problems,
         },
+        "comparison": None if medians is None else medians[1],
         "table": table,
     }
 
@@ -815,6 +867,40 @@ def report(runs: list[Run], connections: int) -> str:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in r.cpu_ms_per_request.items() if v >= 0.0005)
         lines.append(f"- {target}: {parts}")
     return "\n".join(lines)
+
+
+def compare(runs: list[Run], connections: int, names: list[str]) -> tuple[str, dict[str, Any]]:
+    """Each gateway's median over the rounds of its loaded runs, and the first one (this tree)
+    against each other: the table and its figures."""
+    lines = [
+        f"| gateway | rounds | own CPU ms/req, median (each round) | req/s ({connections} conns), median "
+        "| p50 ms, median |",
+        "|---|---|---|---|---|",
+    ]
+    figures: dict[str, Any] = {}
+    for name in names:
+        rs = [r for r in runs if r.target == name and r.connections == connections]
+        cpu = [r.cpu_ms_per_request.get(name, 0.0) for r in rs]
+        figures[name] = {
+            "rounds": len(rs),
+            "cpu_ms_per_request": cpu,
+            "cpu_ms_per_request_median": statistics.median(cpu),
+            "rps_median": statistics.median(r.rps for r in rs),
+            "p50_ms_median": statistics.median(r.p50_ms for r in rs),
+        }
+        f = figures[name]
+        each = ", ".join(f"{c:.3f}" for c in cpu)
+        lines.append(
+            f"| {name} | {len(rs)} | {f['cpu_ms_per_request_median']:.3f} ({each}) "
+            f"| {f['rps_median']:,.0f} | {f['p50_ms_median']:.2f} |"
+        )
+    base = figures[names[0]]["cpu_ms_per_request_median"]
+    lines.append("")
+    for name in names[1:]:
+        ratio = base / figures[name]["cpu_ms_per_request_median"]
+        figures[name]["ratio_of_first"] = ratio
+        lines.append(f"{names[0]} / {name}: {ratio:.3f}x the CPU per request (medians)")
+    return "\n".join(lines), figures
 
 
 if __name__ == "__main__":

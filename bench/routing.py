@@ -267,7 +267,7 @@ async def deployment_id(home: Path, name: str) -> str:
     server's database: the admin API does not list deployments yet."""
     from sqlalchemy import select
 
-    from control_plane.models import Deployment
+    from control_plane.catalog.models import Deployment
     from tokenmill.db import make_engine
     from tokenmill.settings import Settings
 

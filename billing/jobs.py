@@ -14,15 +14,10 @@ from datetime import date, datetime
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from billing.common import month_bounds
+from billing.invoices.services import InvoiceBuild, build_invoice_drafts, finalize_invoice
 from billing.models import Invoice
-from billing.services import (
-    InvoiceBuild,
-    RollupStats,
-    build_invoice_drafts,
-    finalize_invoice,
-    month_bounds,
-    store_rollups,
-)
+from billing.rollups.services import RollupStats, store_rollups
 from tokenmill.db import utcnow
 
 

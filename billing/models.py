@@ -154,7 +154,7 @@ class InvoiceLine(Base):
     amount: Mapped[Decimal] = mapped_column(CENTS)
 
 
-# --- Stripe sync state (billing/stripe_sync.py) -----------------------------------------
+# --- Stripe sync state (billing/stripe/) ------------------------------------------------
 
 
 class StripeInvoiceSync(Base):

@@ -25,10 +25,11 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from billing.common import HOUR, floor_hour, month_bounds
+from billing.common import parse_time as parse_param
+from billing.exports.services import export_query, stream_export
 from billing.jobs import build_invoices, finalize_invoices, rollup_hours
-from billing.services import export_query, floor_hour, month_bounds, stream_export
-from billing.services import parse_time as parse_param
-from billing.stripe_sync import stripe_sync_job
+from billing.stripe.services import stripe_sync_job
 from tokenmill.db import utcnow
 from tokenmill.storage import open_storage
 from tokenmill.tasks import Background
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
     from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill.billing.schedule")
-
-HOUR = timedelta(hours=1)
 
 
 # --- triggers ---------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def previous_month(d: date) -> date:
     return (d.replace(day=1) - timedelta(days=1)).replace(day=1)
 
 
-# The jobs. Each adapts one function of billing/jobs.py (or stripe_sync.py) to the
+# The jobs. Each adapts one function of billing/jobs.py (or stripe/services.py) to the
 # schedule: it derives the window from `now`, and takes overrides for a manual run.
 # Overrides are parsed like the admin API's parameters (a bad one is a clear 400 error).
 

@@ -3,7 +3,8 @@
 Its own app, rather than routes of the main one, because a browser UI needs what an API
 does not and must not change for the API: Jinja templates, CSRF protection, a session
 cookie, HTML error pages instead of OpenAI-shaped JSON ones, and no OpenAPI entries. The
-main app hands it the shared parts (settings, database, bus, storage) and runs its one
+main app hands it the shared parts (settings, database, bus, the catalogue's configuration)
+and runs its one
 background task, the fleet tail, since a mounted app receives no lifespan events.
 """
 
@@ -20,7 +21,6 @@ from urllib.parse import urlsplit
 from litestar import Litestar, Request, Response, Router, asgi
 from litestar.config.csrf import CSRFConfig
 from litestar.datastructures import CacheControlHeader, MutableScopeHeaders
-from litestar.di import Provide
 from litestar.exceptions import HTTPException, NotFoundException, PermissionDeniedException
 from litestar.middleware.session.client_side import CookieBackendConfig
 from litestar.plugins.jinja import JinjaTemplateEngine
@@ -30,23 +30,33 @@ from litestar.template.config import TemplateConfig
 from litestar.types import Message, Receive, Scope, Send
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from control_plane.catalog.config import CatalogConfig
+from control_plane.deps import UNIT_DEPENDENCIES
 from dashboard import PREFIX, filters
-from dashboard.auth import DashboardSettings, LoginRequired, NoDashboard, derive
+from dashboard.auth import (
+    SESSION_COOKIE,
+    DashboardSettings,
+    LoginRequired,
+    NoDashboard,
+    derive,
+    session_cookie,
+)
 from dashboard.controllers import ROUTES
 from dashboard.fleet import FleetStatus
 from tokenmill.bodies import Request as BodyRequest
 from tokenmill.bus import EventBus
-from tokenmill.db import provide_db_session
 from tokenmill.errors import APIError
 from tokenmill.limits import RateLimiter, make_limiter
 from tokenmill.settings import Settings
-from tokenmill.storage import Storage
 
 log = logging.getLogger("tokenmill.dashboard")
 
 HERE = Path(__file__).parent
-SESSION_COOKIE = "tm_session"
 CSRF_COOKIE = "tm_csrf"
+# The one-line messages for the next page (web.flash) travel in an encrypted cookie of their
+# own; who is signed in does not (dashboard/auth.py).
+FLASH_COOKIE = "tm_flash"
+FLASH_SECONDS = 600
 # Pages hold one tenant's data (and once, a new key's secret): never cached, never framed,
 # and only our own scripts and styles run.
 SECURITY_HEADERS = {
@@ -79,14 +89,19 @@ def _login_required(request: Request[Any, Any, Any], _: LoginRequired) -> Respon
         target += "?" + request.url.query
     # After signing in, back to the page asked for (only ever a dashboard page).
     query = f"?next={target}" if request.method == "GET" and target.startswith(PREFIX) else ""
-    return Redirect(f"{PREFIX}/login{query}", status_code=303)
+    redirect = Redirect(f"{PREFIX}/login{query}", status_code=303)
+    if SESSION_COOKIE in request.cookies:  # ended or expired: the browser may forget it
+        redirect.set_cookie(session_cookie(request.app.state, None))
+    return redirect
 
 
 def _no_dashboard(request: Request[Any, Any, Any], _: NoDashboard) -> Response[Any]:
     request.scope["session"] = {}
-    return _error_page(
+    response = _error_page(
         request, 403, "The dashboard is for platform and organisation admins; members use API keys."
     )
+    response.set_cookie(session_cookie(request.app.state, None))
+    return response
 
 
 def _api_error(request: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
@@ -123,18 +138,18 @@ def build_app(
     *,
     sessionmaker: async_sessionmaker[AsyncSession],
     bus: EventBus,
-    storage: Storage,
+    catalog: CatalogConfig,
     fleet: FleetStatus,
     limiter: RateLimiter,
     dashboard_settings: DashboardSettings | None = None,
 ) -> Litestar:
     dash = dashboard_settings or DashboardSettings()
     secure = is_https(settings.public_url)
-    session = CookieBackendConfig(
-        secret=derive(settings.secret_key, "session"),
-        key=SESSION_COOKIE,
+    flashes = CookieBackendConfig(
+        secret=derive(settings.secret_key, "flash"),
+        key=FLASH_COOKIE,
         path=PREFIX,
-        max_age=int(dash.session_hours * 3600),
+        max_age=FLASH_SECONDS,
         httponly=True,
         samesite="lax",
         secure=secure,
@@ -157,12 +172,14 @@ def build_app(
     app = Litestar(
         # Under the prefix inside too, so the app sees the paths the browser uses.
         route_handlers=[Router(path=PREFIX, route_handlers=[*ROUTES, static])],
-        middleware=[session.middleware],
+        middleware=[flashes.middleware],
         csrf_config=csrf,
         template_config=TemplateConfig(
             directory=HERE / "templates", engine=JinjaTemplateEngine, engine_callback=_engine_callback
         ),
-        dependencies={"db_session": Provide(provide_db_session)},
+        # Each request one unit of work, as on the admin API: changes commit when the handler
+        # returns and are announced to the gateways then.
+        dependencies=dict(UNIT_DEPENDENCIES),
         exception_handlers={
             LoginRequired: _login_required,
             NoDashboard: _no_dashboard,
@@ -185,9 +202,10 @@ def build_app(
         {
             "settings": settings,
             "dashboard_settings": dash,
+            "secure_cookies": secure,
             "sessionmaker": sessionmaker,
             "bus": bus,
-            "storage": storage,
+            "catalog": catalog,
             "fleet": fleet,
             "limiter": limiter,
         }
@@ -215,14 +233,14 @@ def mount(
     *,
     sessionmaker: async_sessionmaker[AsyncSession],
     bus: EventBus,
-    storage: Storage,
+    catalog: CatalogConfig,
 ) -> Mounted:
     """The dashboard under /dashboard, for `create_app`."""
     fleet = FleetStatus(bus, timeout=settings.worker_timeout_seconds)
     # Login attempts: in Redis when there is one (shared by every replica), else in memory.
     limiter = make_limiter(settings)
     app = build_app(
-        settings, sessionmaker=sessionmaker, bus=bus, storage=storage, fleet=fleet, limiter=limiter
+        settings, sessionmaker=sessionmaker, bus=bus, catalog=catalog, fleet=fleet, limiter=limiter
     )
 
     security_headers = dict(SECURITY_HEADERS)

@@ -1,12 +1,14 @@
 """Who is signed in to the dashboard: the session cookie, the login rate limit, the guard.
 
-A session is an encrypted cookie (AES-GCM, Litestar's client-side backend) holding the
-user's id and the time they signed in, under a key derived from TOKENMILL_SECRET_KEY, so
-every replica of the control plane reads the same sessions and a restart signs nobody out.
-Each request loads the user again: a user disabled, removed or demoted to member is out at
-once, and a changed role applies to the next page. The role rules are the admin API's
-(`control_plane.services.Principal`): platform admins see everything, organisation admins
-their own organisation; members use API keys and have no dashboard.
+A session is a row on the server (control_plane/orgs/sessions.py); the browser's cookie holds
+only its random token (HttpOnly, SameSite=Lax, Secure when the public URL is https), which
+names nobody and is worthless once the row is gone. So signing out, a password change and
+disabling the user end a session on every replica at once, a captured cookie included, and
+a restart signs nobody out. Each request loads the user again: a user disabled, removed or
+demoted to member is out at once, and a changed role applies to the next page. The role
+rules are the admin API's (`control_plane.policy`): platform admins see everything,
+organisation admins their own organisation; members use API keys and have no dashboard; a
+suspended organisation's admins only read its invoices and usage.
 """
 
 from __future__ import annotations
@@ -14,22 +16,27 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import time
+from datetime import timedelta
 from typing import Any
 
 from litestar import Request
 from litestar.connection import ASGIConnection
+from litestar.datastructures import Cookie, State
 from litestar.exceptions import PermissionDeniedException
 from litestar.handlers import BaseRouteHandler
 from litestar.middleware.csrf import CSRF_SECRET_LENGTH, generate_csrf_hash
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control_plane.controllers import ADMIN_ROLES
-from control_plane.models import User
-from control_plane.services import Principal
+from control_plane.orgs.models import Organization, User
+from control_plane.orgs.sessions import DashboardSessionService
+from control_plane.policy import OPEN_WHILE_SUSPENDED, admit, is_admin_role
+from control_plane.unit import UnitOfWork
+from dashboard import PREFIX
 from tokenmill.clients import throttle_key
 from tokenmill.limits import Limit, RateLimiter
+
+SESSION_COOKIE = "tm_session"
 
 # Login attempts are counted over this many seconds: per address and email, per address,
 # and per email (whatever the address).
@@ -58,7 +65,7 @@ class DashboardSettings(BaseSettings):
 
 def derive(secret_key: str | None, purpose: str) -> bytes:
     """A 32-byte key for one purpose from the server's secret key. Without one (a test app),
-    a random key: sessions then last as long as the process."""
+    a random key: CSRF tokens and messages then last as long as the process."""
     base = secret_key.encode() if secret_key else secrets.token_bytes(32)
     return hmac.new(base, f"tokenmill dashboard {purpose}".encode(), hashlib.sha256).digest()
 
@@ -128,26 +135,61 @@ def check_csrf(request: Request[Any, Any, Any], token: str | None) -> None:
         raise PermissionDeniedException("CSRF token verification failed")
 
 
-def start_session(connection: ASGIConnection[Any, Any, Any, Any], user: User) -> None:
-    # A fresh dict: nothing of a previous session (or of an attacker's planted one) survives.
-    connection.scope["session"] = {"uid": user.id, "at": time.time()}
+def session_lifetime(state: State) -> timedelta:
+    return timedelta(hours=state.dashboard_settings.session_hours)
 
 
-async def require_login(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+def session_cookie(state: State, token: str | None) -> Cookie:
+    """The cookie carrying a new session's `token`, or (None) the one clearing it."""
+    return Cookie(
+        key=SESSION_COOKIE,
+        value=token or "",
+        path=PREFIX,
+        max_age=int(session_lifetime(state).total_seconds()) if token else 0,
+        expires=None if token else 0,
+        httponly=True,
+        secure=state.secure_cookies,
+        samesite="lax",
+    )
+
+
+def session_token(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    return connection.cookies.get(SESSION_COOKIE) or None
+
+
+async def signed_in_user(connection: ASGIConnection[Any, Any, Any, Any]) -> User | None:
+    """The user of the request's session, if it is live (enabled or not, whatever the role)."""
+    token = session_token(connection)
+    if token is None:
+        return None
+    async with connection.app.state.sessionmaker() as db:
+        return await DashboardSessionService(db).user_of(token)
+
+
+async def require_login(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """Guard of every page but the login: the signed-in admin, as `connection.state.admin`
-    (a `Principal`) and `connection.state.user`."""
-    session = connection.scope.get("session") or {}
-    uid, at = session.get("uid"), session.get("at")
+    (a `Principal`), `connection.state.user`, and the session's token as
+    `connection.state.session_token`. A suspended organisation's admins see only the pages
+    open while it is suspended (403 `organization_suspended` elsewhere)."""
+    token = session_token(connection)
     state = connection.app.state
-    max_age = state.dashboard_settings.session_hours * 3600
-    if not isinstance(uid, str) or not isinstance(at, int | float) or time.time() - at > max_age:
+    if token is None:
         raise LoginRequired()
     async with state.sessionmaker() as db:
-        user = await db.get(User, uid)
+        user = await DashboardSessionService(db).user_of(token)
+        org = await db.get(Organization, user.org_id) if user is not None and user.org_id else None
+    # Disabling ends the sessions too; this stands guard over anything that would not.
     if user is None or user.disabled:
-        connection.scope["session"] = {}
         raise LoginRequired()
-    if user.role not in ADMIN_ROLES:
+    if not is_admin_role(user.role):
+        # Signed out, as before the demotion was known: being made an admin again later
+        # does not bring this session back.
+        async with UnitOfWork.open(state.sessionmaker) as unit:
+            await unit.dashboard_sessions.end(token)
         raise NoDashboard()
+    open_while_suspended = bool(handler.opt.get(OPEN_WHILE_SUSPENDED))
+    connection.state.admin = admit(
+        user.role, user.org_id, org, while_suspended=open_while_suspended, user_id=user.id
+    )
     connection.state.user = user
-    connection.state.admin = Principal(role=user.role, org_id=user.org_id, user_id=user.id)
+    connection.state.session_token = token

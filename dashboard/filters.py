@@ -8,7 +8,7 @@ from typing import Any
 
 from jinja2 import Environment
 
-from billing.services import as_utc, cents
+from billing.common import as_utc, cents, plain
 from dashboard.charts import compact
 
 
@@ -20,10 +20,7 @@ def money(value: Decimal | float | int | str | None, currency: str = "usd") -> s
 
 def price(value: Decimal | None) -> str:
     """A unit price with all its decimals but no trailing zeros."""
-    if value is None:
-        return "—"
-    text = format(Decimal(value).normalize(), "f")
-    return "0" if text in ("", "-0") else text
+    return "—" if value is None else plain(Decimal(value))
 
 
 def when(value: datetime | None, fmt: str = "%Y-%m-%d %H:%M") -> str:

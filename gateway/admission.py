@@ -28,7 +28,9 @@ from decimal import ROUND_CEILING, Decimal
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.services import Rates, model_rates, month_bounds, spend_since
+from billing.common import month_bounds
+from billing.prices.services import Rates, model_rates
+from billing.rollups.services import spend_since
 from gateway.keys import Caller, Rate
 from tokenmill.errors import APIError
 from tokenmill.limits import Admission, Hold, Limit, RateLimiter, Slot
@@ -36,14 +38,14 @@ from tokenmill.spool import OUTAGE_ERRORS
 
 log = logging.getLogger("tokenmill.gateway.admission")
 
-NANO = Decimal(10**9)
+NANOS_PER_UNIT = Decimal(10**9)  # budgets count nano-units of their currency: 1 unit = 10**9
 HOLD_TTL = 2 * 3600.0  # longer than any request; a crashed gateway's holds lapse after it
 RATES_TTL = 60.0
 
 
 def units(amount: Decimal) -> int:
     """Money as integer nano-units, rounded up so the counter never under-counts."""
-    return int((amount * NANO).to_integral_value(ROUND_CEILING))
+    return int((amount * NANOS_PER_UNIT).to_integral_value(ROUND_CEILING))
 
 
 def _duration(seconds: float) -> str:
@@ -231,8 +233,8 @@ class Admitter:
                     log.warning(
                         "organisation %s is over its monthly budget (soft): %s spent of %s",
                         ticket.org_id,
-                        Decimal(spent or 0) / NANO,
-                        Decimal(ticket.budget or 0) / NANO,
+                        Decimal(spent or 0) / NANOS_PER_UNIT,
+                        Decimal(ticket.budget or 0) / NANOS_PER_UNIT,
                     )
         except Exception as exc:
             # Slots and holds lapse on their own; the budget counter is re-seeded from the ledger.

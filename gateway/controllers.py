@@ -153,7 +153,7 @@ class OpenAIController(Controller):
     )
     async def embeddings(self, request: Request, data: JSONBody[EmbeddingRequest]) -> Response[EmbeddingList]:
         gateway = _gateway(request)
-        admitted = await gateway.admit_embedding(_caller(request), request_id(request), data)
+        admitted = await gateway.admit(_caller(request), request_id(request), data)
         try:
             result = await gateway.embed(admitted)
             body = embedding_list(data, admitted.target.model, result.embeddings, result.prompt_tokens)
@@ -165,7 +165,10 @@ class OpenAIController(Controller):
 
 async def _generate(request: Request, data: ChatCompletionRequest | CompletionRequest) -> Response:
     gateway = _gateway(request)
-    admitted = await gateway.admit_generation(_caller(request), request_id(request), data)
+    admitted = await gateway.admit(_caller(request), request_id(request), data)
+    # `respond` starts the stream at once: from then on, however the request ends, the
+    # stream's end gives back its limits and meters it.
+    deltas = gateway.stream(admitted)
     return await respond(
-        request, data, admitted.target.model, admitted.request_id, gateway.stream(admitted), admitted.headers
+        request, data, admitted.target.model, admitted.request_id, deltas, headers=admitted.headers
     )

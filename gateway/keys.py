@@ -28,8 +28,10 @@ from typing import Any
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.models import ApiKey, Organization, Plan
-from control_plane.services import check_key, find_key
+from control_plane.orgs.keys import check_key, find_key
+from control_plane.orgs.models import ApiKey, Organization
+from control_plane.plans.models import Plan
+from control_plane.policy import check_serving
 from tokenmill import security
 from tokenmill.bus import EventBus
 from tokenmill.errors import APIError
@@ -169,8 +171,7 @@ class KeyCache(Background):
         entry = await self._entry(prefix) if prefix is not None else None
         check_key(secret, entry.key if entry else None, self.secret_key)
         assert entry is not None and entry.org is not None and entry.caller is not None
-        if entry.org.status != "active":
-            raise APIError(403, "This organisation is suspended.", code="organization_suspended")
+        check_serving(entry.org)
         return entry.caller
 
     def held(self) -> tuple[int, int]:

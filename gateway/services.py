@@ -1,6 +1,6 @@
 """The request path: who is calling, what serves the model, tokens in, deltas out, usage.
 
-A request is first admitted (`admit_*`: its request count, the model, the prompt prepared
+A request is first admitted (`admit`: its request count, the model, the prompt prepared
 off the event loop when large, then its tokens, concurrency and budget hold), then served
 (`stream` / `embed`: routed, retried before the first token, settled and metered once
 however it ends). Nothing expensive happens before the request is counted.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.services import CatalogService
+from control_plane.catalog.services import CatalogService
 from gateway.admission import Admitter, Ticket
 from gateway.fleet import FleetView, WorkerState
 from gateway.keys import Caller, KeyCache
@@ -195,53 +195,60 @@ class Gateway:
 
     # --- admission -----------------------------------------------------------------------
 
-    async def admit_generation(
-        self, caller: Caller, request_id: str, body: ChatCompletionRequest | CompletionRequest
+    async def admit(
+        self,
+        caller: Caller,
+        request_id: str,
+        body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
     ) -> Admitted:
-        """Count the request, then prepare its prompt and admit its tokens; raises APIError
-        (with the `x-ratelimit-*` headers known so far) when it may not run."""
+        """Count the request, then resolve its model, prepare its prompt and admit its tokens;
+        raises APIError (with the `x-ratelimit-*` headers known so far) when it may not run.
+        What this returns holds limits and a budget hold: serve it with `stream` or `embed`,
+        which give them back however the request ends."""
         headers = await self.admitter.count(caller, request_id)
         try:
-            target = await self.resolve(caller, body.model)
-            chat = isinstance(body, ChatCompletionRequest)
-            size = check_chat(body, self.limits) if chat else check_completion(body, self.limits)  # type: ignore[arg-type]
-            tok = await self.tokenizer(target)
-            build = chat_prompt if chat else completion_prompt
-            prompt = await self.prep.run(
-                caller.org_id,
-                size,
-                build,  # type: ignore[arg-type]
-                body,
-                tok,
-                context_length=target.context_length,
-                defaults=target.defaults,
-            )
-            ticket = await self._admit(
-                caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
-            )
+            admitted = await self._prepare(caller, request_id, body)
         except APIError as exc:
             exc.headers = {**headers, **exc.headers}
             raise
-        ticket.headers = {**headers, **ticket.headers}
-        return Admitted(request_id, caller, target, ticket, prompt=prompt)
+        admitted.ticket.headers = {**headers, **admitted.ticket.headers}
+        return admitted
 
-    async def admit_embedding(self, caller: Caller, request_id: str, body: EmbeddingRequest) -> Admitted:
-        """As `admit_generation`, for embeddings."""
-        headers = await self.admitter.count(caller, request_id)
-        try:
+    async def _prepare(
+        self,
+        caller: Caller,
+        request_id: str,
+        body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
+    ) -> Admitted:
+        """`admit` once the request is counted: its model, its prompt (prepared off the event
+        loop when large), then its tokens, concurrency and budget hold."""
+        org, limits = caller.org_id, self.limits
+        if isinstance(body, EmbeddingRequest):
             target = await self.resolve(caller, body.model, kind="embed")
-            size = check_embedding(body, self.limits)
+            size = check_embedding(body, limits)
             tok = await self.tokenizer(target)
             inputs = await self.prep.run(
-                caller.org_id, size, embedding_inputs, body, tok, context_length=target.context_length
+                org, size, embedding_inputs, body, tok, context_length=target.context_length
             )
-            tokens = sum(len(i) for i in inputs)
-            ticket = await self._admit(caller, target.priced_model, request_id, tokens, 0)
-        except APIError as exc:
-            exc.headers = {**headers, **exc.headers}
-            raise
-        ticket.headers = {**headers, **ticket.headers}
-        return Admitted(request_id, caller, target, ticket, inputs=inputs)
+            ticket = await self._admit(caller, target.priced_model, request_id, sum(map(len, inputs)), 0)
+            return Admitted(request_id, caller, target, ticket, inputs=inputs)
+        target = await self.resolve(caller, body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        size = check_chat(body, limits) if chat else check_completion(body, limits)  # type: ignore[arg-type]
+        tok = await self.tokenizer(target)
+        prompt = await self.prep.run(
+            org,
+            size,
+            chat_prompt if chat else completion_prompt,  # type: ignore[arg-type]
+            body,
+            tok,
+            context_length=target.context_length,
+            defaults=target.defaults,
+        )
+        ticket = await self._admit(
+            caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
+        )
+        return Admitted(request_id, caller, target, ticket, prompt=prompt)
 
     async def _admit(
         self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int

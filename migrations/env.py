@@ -8,7 +8,10 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 import billing.models  # noqa: F401  (registers tables on Base.metadata)
-import control_plane.models  # noqa: F401
+import control_plane.audit.models
+import control_plane.catalog.models
+import control_plane.orgs.models
+import control_plane.plans.models  # noqa: F401
 from tokenmill.db import Base, async_url, make_engine
 
 target_metadata = Base.metadata

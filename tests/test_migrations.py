@@ -16,7 +16,10 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 import billing.models  # noqa: F401  (registers its tables on Base.metadata)
-import control_plane.models  # noqa: F401
+import control_plane.audit.models
+import control_plane.catalog.models
+import control_plane.orgs.models
+import control_plane.plans.models  # noqa: F401
 import migrations
 from tokenmill.db import Base, make_engine
 

@@ -1,8 +1,8 @@
-"""The `tokenmill` command and the composition root.
+"""The `tokenmill` command: serve, run one part, migrate, and the operator's admin commands.
 
-This is the one module of `tokenmill/` that knows the other packages; it imports them
-lazily (inside functions) so `tokenmill --help` stays fast and a worker never loads the
-gateway.
+With tokenmill/app.py (the composition root, which assembles the app), the only module of
+`tokenmill/` that knows the other packages; it imports them lazily (inside functions) so
+`tokenmill --help` stays fast and a worker never loads the gateway.
 """
 
 from __future__ import annotations
@@ -15,23 +15,24 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from tokenmill import __version__
-from tokenmill.net import http_address
+from tokenmill.app import Parts, create_app, local_worker_env
 from tokenmill.settings import Settings
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from litestar import Litestar
-    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
     from autoscaler.reconciler import Reconciler
-    from control_plane.services import EmbedSpec
-    from tokenmill.bus import EventBus
+    from control_plane.bootstrap import EmbedSpec
+    from control_plane.unit import UnitOfWork
+    from tokenmill.bus import Publisher
 
 log = logging.getLogger("tokenmill")
 
@@ -78,237 +79,6 @@ _SECRET_BEARING_LOGGERS = (
 def _fail(message: str, code: int = 1) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
-
-
-# --- the app ----------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Parts:
-    """What one process serves: the embedded server turns everything on."""
-
-    gateway: bool = False
-    admin: bool = False
-    internal_bus: bool = False
-    consumers: bool = False
-    # The periodic billing jobs in-process (`serve` only; production runs Celery beat).
-    scheduler: bool = False
-    # The reconciler, starting and stopping workers through the `TOKENMILL_AUTOSCALER` provider.
-    autoscaler: bool = False
-
-
-def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litestar:
-    from litestar import Litestar, Router
-    from litestar.di import Provide
-    from litestar.openapi import OpenAPIConfig
-
-    from tokenmill.bodies import Request as BodyRequest
-    from tokenmill.bus import make_bus
-    from tokenmill.db import make_sessionmaker, provide_db_session
-    from tokenmill.errors import exception_handlers
-    from tokenmill.ops import health, metrics, openapi_json
-
-    sessionmaker = make_sessionmaker(engine)
-    bus = make_bus(settings)
-    handlers: list[Any] = []
-    dependencies: dict[str, Provide] = {"db_session": Provide(provide_db_session)}
-    services: list[Any] = []  # objects with start()/stop()
-    closers: list[Callable[[], Awaitable[None]]] = []
-    state: dict[str, Any] = {"settings": settings, "sessionmaker": sessionmaker, "bus": bus}
-    consumer = f"{socket.gethostname()}-{os.getpid()}"
-
-    if parts.gateway:
-        from gateway.admission import Admitter
-        from gateway.controllers import OpenAIController
-        from gateway.fleet import FleetView
-        from gateway.keys import KeyCache
-        from gateway.prep import Prep
-        from gateway.services import Gateway
-        from gateway.upstream import Upstream
-        from tokenmill.bus import Publisher, RedisBus
-        from tokenmill.limits import RateLimiter, RedisRateLimiter, make_limiter
-        from tokenmill.resp import RespClient, RespPublisher
-        from tokenmill.spool import SpoolingPublisher
-
-        fleet = FleetView(bus, timeout=settings.worker_timeout_seconds, routing=settings.routing)
-        keys = KeyCache(settings, bus, sessionmaker)
-        limiter: RateLimiter
-        publisher: Publisher
-        try:
-            redis = (
-                RespClient.from_url(
-                    settings.redis_url,
-                    connect_timeout=settings.redis_timeout_seconds,
-                    reply_timeout=settings.redis_timeout_seconds,
-                )
-                if settings.redis_url
-                else None
-            )
-        except ValueError:  # a URL only redis-py reads (e.g. sentinel)
-            redis = None
-        if redis is not None:
-            # The three Redis calls of every request (admission, settling, the usage event)
-            # share one lean pipelined connection; the bus keeps redis-py for its readers.
-            limiter = RedisRateLimiter(redis)
-            assert isinstance(bus, RedisBus)
-            # trimmed exactly as the bus trims
-            publisher = RespPublisher(redis, maxlen=bus.maxlen, stream_maxlen=bus.stream_maxlen)
-            closers.append(redis.aclose)
-        else:
-            limiter, publisher = make_limiter(settings), bus
-        # Usage events wait on disk while the bus is unreachable, and are replayed in order.
-        usage = SpoolingPublisher(publisher, settings.spool_path)
-        services += [fleet, keys, usage]
-        upstream = Upstream(  # keep-alive connections to the workers
-            connect_timeout=settings.upstream_connect_timeout_seconds,
-            first_byte_timeout=settings.upstream_first_byte_timeout_seconds,
-            idle_timeout=settings.upstream_idle_timeout_seconds,
-        )
-        prep = Prep(settings.prep_threads)  # large requests are prepared off the event loop
-
-        async def close_prep() -> None:
-            prep.close()
-
-        closers += [limiter.close, upstream.aclose, close_prep]
-        state["gateway"] = Gateway(
-            settings,
-            sessionmaker=sessionmaker,
-            fleet=fleet,
-            keys=keys,
-            admitter=Admitter(limiter, sessionmaker),
-            publisher=usage,
-            upstream=upstream,
-            prep=prep,
-        )
-        # Bodies over the cap are refused (413) while they arrive, before any parsing.
-        handlers.append(
-            Router("/", route_handlers=[OpenAIController], request_max_body_size=settings.max_request_bytes)
-        )
-    if parts.admin:
-        from control_plane.controllers import admin_router
-        from tokenmill.storage import open_storage
-
-        # Adapter (and weight) files: one store per app, handed to handlers as `storage`.
-        storage = open_storage(settings)
-        state["storage"] = storage
-        dependencies["storage"] = Provide(lambda: storage, sync_to_thread=False)
-        handlers.append(admin_router())
-        from billing.controllers import billing_router
-
-        handlers.append(billing_router())  # prices, rollups, invoices, exports
-        from billing.controllers import StripeWebhookController
-
-        handlers.append(StripeWebhookController)  # POST /webhooks/stripe (signed by Stripe, no API key)
-        from dashboard.app import mount as mount_dashboard
-
-        # The admin web UI at /dashboard: its own small app (templates, sessions, CSRF).
-        dashboard = mount_dashboard(settings, sessionmaker=sessionmaker, bus=bus, storage=storage)
-        handlers.append(dashboard.handler)
-        services += dashboard.services
-        closers += dashboard.closers
-    if parts.consumers:
-        from billing.services import UsageConsumer
-        from control_plane.services import WorkerLifetimes
-
-        services += [UsageConsumer(bus, sessionmaker, consumer), WorkerLifetimes(bus, sessionmaker, consumer)]
-    if parts.scheduler:
-        from billing.schedule import InProcessScheduler
-
-        scheduler = InProcessScheduler(
-            settings, sessionmaker, state_path=settings.home_dir / "scheduler-state.json"
-        )
-        services.append(scheduler)
-        state["scheduler"] = scheduler
-    if parts.autoscaler and settings.autoscaler != "none":
-        reconciler = _reconciler(settings, bus, sessionmaker, consumer)
-        services.append(reconciler)
-        closers.append(reconciler.provider.close)
-        state["reconciler"] = reconciler
-    if parts.internal_bus:
-        from tokenmill.internal import internal_router
-
-        assert settings.internal_token
-        handlers.append(internal_router(bus, settings.internal_token, worker_token=settings.worker_token))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Litestar) -> AsyncIterator[None]:
-        for service in services:
-            await service.start()
-        try:
-            yield
-        finally:
-            for service in reversed(services):
-                await service.stop()
-            for close in closers:
-                await close()
-            await bus.close()
-            await engine.dispose()
-
-    app = Litestar(
-        route_handlers=[*handlers, health, metrics, openapi_json],
-        dependencies=dependencies,
-        exception_handlers=exception_handlers(),
-        lifespan=[lifespan],
-        openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
-        logging_config=None,  # keep the process's logging set up by the CLI
-        request_class=BodyRequest,  # undecodable JSON and forms are 400s, never 500s
-        debug=False,
-    )
-    app.state.update(state)
-    return app
-
-
-def _reconciler(
-    settings: Settings, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], holder: str
-) -> Reconciler:
-    from autoscaler.leader import Lease, RedisLease, SoleLease
-    from autoscaler.providers import Provider
-    from autoscaler.reconciler import Reconciler
-
-    provider: Provider
-    if settings.autoscaler == "kubernetes":
-        from autoscaler.kubernetes import KubernetesProvider
-
-        provider = KubernetesProvider.from_settings(settings)
-    else:
-        from autoscaler.local import LocalProcessProvider
-
-        provider = LocalProcessProvider(env=_local_worker_env(settings))
-    lease: Lease = SoleLease()
-    if settings.redis_url:
-        from tokenmill.bus import redis_client
-
-        # A lease of a few intervals: a dead leader is replaced that quickly, and a slow
-        # tick or two does not cost a live one its lease.
-        ttl = max(5.0, 3 * settings.autoscale_interval_seconds)
-        lease = RedisLease(
-            redis_client(settings.redis_url, timeout=settings.redis_timeout_seconds), holder, ttl
-        )
-    return Reconciler(
-        bus,
-        sessionmaker,
-        provider,
-        lease,
-        interval=settings.autoscale_interval_seconds,
-        worker_timeout=settings.worker_timeout_seconds,
-    )
-
-
-def _local_worker_env(settings: Settings) -> dict[str, str]:
-    """What a worker started on this machine needs beyond our own environment."""
-    env = {
-        # A worker holds the worker token only (heartbeats and KV events, never usage); with no
-        # separate one configured that is the internal token, as before.
-        "TOKENMILL_WORKER_TOKEN": settings.worker_credential or "",
-        "TOKENMILL_INTERNAL_TOKEN": "" if settings.worker_token else settings.internal_token or "",
-        "TOKENMILL_HOME": str(settings.home_dir),
-        "TOKENMILL_MODEL_CACHE": str(settings.cache_dir),
-        "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
-    }
-    if not settings.redis_url:  # the embedded bus, hosted by this server
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
-        env["TOKENMILL_BUS_URL"] = f"{http_address(host, settings.port)}/internal/bus"
-    return env
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -416,7 +186,7 @@ def serve(
 
 
 async def _serve(settings: Settings) -> None:
-    from control_plane.services import bootstrap
+    from control_plane.bootstrap import bootstrap
     from tokenmill.db import make_engine, make_sessionmaker
     from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
     from tokenmill.storage import open_storage
@@ -459,7 +229,7 @@ async def _serve(settings: Settings) -> None:
     if settings.spawn_worker and reconciler is None:
         from autoscaler.local import LocalProcessProvider
 
-        fixed = LocalProcessProvider(env=_local_worker_env(settings))
+        fixed = LocalProcessProvider(env=local_worker_env(settings))
         fixed.start(boot.deployment.id, settings.model)
         if boot.embed_deployment is not None:
             fixed.start(boot.embed_deployment.id, settings.embed_model)
@@ -497,7 +267,7 @@ async def _serve(settings: Settings) -> None:
 async def _embed_spec(settings: Settings) -> EmbedSpec:
     """The embedding model's catalogue entry; a bad TOKENMILL_EMBED_MODEL stops `serve` at once
     rather than leaving a worker that dies after the server said it was ready."""
-    from control_plane.services import EmbedSpec
+    from control_plane.bootstrap import EmbedSpec
     from tokenmill.modelstore import model_name, resolve_model
     from tokenmill.storage import open_storage
     from tokenmill.tokenization import Tokenizer
@@ -696,34 +466,66 @@ def celery_beat(args: tuple[str, ...]) -> None:
 
 @main.group()
 def admin() -> None:
-    """Manage organisations and API keys directly in the database."""
+    """Manage organisations, API keys and deployments directly in the database, as the
+    platform operator (the same rules as the admin API; changes are audited as the system's)."""
 
 
-def _admin_run(fn: Callable[[Any, Settings], Any]) -> Any:
-    """Run fn(session, settings) in one transaction on the configured database (migrated
-    first, so this works before the first `serve`); APIErrors become clean exits."""
+def _admin_run(fn: Callable[[UnitOfWork, Settings], Awaitable[Any]]) -> Any:
+    """Run fn(unit, settings) in one unit of work on the configured database (migrated first,
+    so this works before the first `serve`): committed at the end, and what gateways cache
+    (a revoked key, a suspended organisation) announced to them then, on Redis or the
+    embedded server's bus. APIErrors become clean exits."""
+    from control_plane.unit import UnitOfWork
+    from tokenmill.app import catalog_config
     from tokenmill.db import make_engine, make_sessionmaker
     from tokenmill.errors import APIError
+    from tokenmill.storage import open_storage
 
     settings = _settings()
-    if not settings.database_url:
-        settings.ensure_secrets()
+    if not (settings.database_url and settings.redis_url):
+        settings.ensure_secrets()  # the embedded database, or the embedded server's bus token
     if not settings.secret_key:
         _fail("set TOKENMILL_SECRET_KEY (the key API keys are hashed with)", 2)
 
     async def run() -> Any:
         await _migrate(settings)
         engine = make_engine(settings.db_url)
+        publisher = _operator_publisher(settings)
+        catalog = catalog_config(settings, open_storage(settings))
         try:
-            async with make_sessionmaker(engine)() as session, session.begin():
-                return await fn(session, settings)
+            async with UnitOfWork.open(
+                make_sessionmaker(engine), catalog=catalog, publisher=publisher
+            ) as unit:
+                result = await fn(unit, settings)
         finally:
+            await publisher.close()
             await engine.dispose()
+        if unit.undelivered:
+            click.echo("note: no running gateway was told; gateways re-read keys within 30 s", err=True)
+        return result
 
     try:
         return asyncio.run(run())
     except APIError as exc:
         _fail(exc.message, 1)
+
+
+def _operator_publisher(settings: Settings) -> Publisher:
+    """Where the CLI's changes are announced: Redis, or the embedded server's bus endpoint."""
+    from tokenmill.bus import HttpPublisher, RedisBus
+    from tokenmill.net import http_address
+
+    if settings.redis_url:
+        return RedisBus.from_url(settings.redis_url)
+    url = settings.bus_url or f"{http_address(settings.host, settings.port)}/internal/bus"
+    return HttpPublisher(url, settings.internal_token or "")
+
+
+def _body(data: dict[str, Any], kind: type[T]) -> T:
+    """Options as one of the admin API's bodies, with the API's validation."""
+    from control_plane.wire import parse
+
+    return parse({k: v for k, v in data.items() if v is not None}, kind)
 
 
 @admin.command("export")
@@ -738,14 +540,13 @@ def export(
 ) -> None:
     """Export per-request usage, hourly rollups or invoices as CSV or JSON, streamed from the
     database (any range in bounded memory)."""
-    from billing.services import export_query, stream_export
-    from control_plane.services import OrganizationService
+    from billing.exports.services import export_query, stream_export
 
-    async def go(session: Any, _: Settings) -> None:
-        org_id = (await OrganizationService(session=session).by_ref(org_ref)).id if org_ref else None
+    async def go(unit: UnitOfWork, _: Settings) -> None:
+        org_id = (await unit.orgs.by_ref(org_ref)).id if org_ref else None
         query = export_query(what, fmt, start, end, org_id)
         with click.open_file(output or "-", "wb") as out:  # "-": stdout, left open
-            async for chunk in stream_export(session, query):
+            async for chunk in stream_export(unit.session, query):
                 out.write(chunk)
 
     _admin_run(go)
@@ -755,10 +556,29 @@ def export(
 @click.argument("name")
 def create_org(name: str) -> None:
     """Create an organisation."""
-    from control_plane.services import OrganizationService
-
-    org = _admin_run(lambda s, _: OrganizationService(session=s).create_org(name))
+    org = _admin_run(lambda unit, _: unit.orgs.create_org(name))
     click.echo(f"{org.id}\t{org.name}")
+
+
+@admin.command("suspend-org")
+@click.argument("org_ref", metavar="ORG")
+def suspend_org(org_ref: str) -> None:
+    """Suspend an organisation (id or name): its keys, admins and dashboard users are refused
+    (but for reading invoices and usage) and its deployments scale to zero."""
+    from control_plane.policy import SYSTEM
+
+    changed = _admin_run(lambda unit, _: unit.orgs.suspend(org_ref, SYSTEM))
+    click.echo(f"suspended {org_ref}" if changed else f"{org_ref} was already suspended")
+
+
+@admin.command("resume-org")
+@click.argument("org_ref", metavar="ORG")
+def resume_org(org_ref: str) -> None:
+    """Resume a suspended organisation: its keys work again and its deployments come back."""
+    from control_plane.policy import SYSTEM
+
+    changed = _admin_run(lambda unit, _: unit.orgs.resume(org_ref, SYSTEM))
+    click.echo(f"resumed {org_ref}" if changed else f"{org_ref} was not suspended")
 
 
 @admin.command("create-key")
@@ -768,11 +588,10 @@ def create_org(name: str) -> None:
 @click.option("--scope", "scopes", multiple=True, help="Allowed model (repeat); default all.")
 def create_key(org_ref: str, name: str, role: str, scopes: tuple[str, ...]) -> None:
     """Create an API key; the secret is printed once."""
-    from control_plane.services import ApiKeyService, OrganizationService
 
-    async def go(session: Any, settings: Settings) -> Any:
-        org = await OrganizationService(session=session).by_ref(org_ref)
-        return await ApiKeyService(session=session).create_key(
+    async def go(unit: UnitOfWork, settings: Settings) -> Any:
+        org = await unit.orgs.by_ref(org_ref)
+        return await unit.keys.create_key(
             org_id=org.id,
             secret_key=settings.secret_key or "",
             name=name,
@@ -789,11 +608,9 @@ def create_key(org_ref: str, name: str, role: str, scopes: tuple[str, ...]) -> N
 @click.option("--org", "org_ref", required=True, help="Organisation id or name.")
 def list_keys(org_ref: str) -> None:
     """List an organisation's API keys (never their secrets)."""
-    from control_plane.services import ApiKeyService, OrganizationService
 
-    async def go(session: Any, _: Settings) -> Any:
-        org = await OrganizationService(session=session).by_ref(org_ref)
-        return await ApiKeyService(session=session).list_for_org(org.id)
+    async def go(unit: UnitOfWork, _: Settings) -> Any:
+        return await unit.keys.list_for_org((await unit.orgs.by_ref(org_ref)).id)
 
     for k in _admin_run(go):
         status = "revoked" if k.revoked_at else "active"
@@ -803,40 +620,99 @@ def list_keys(org_ref: str) -> None:
 @admin.command("revoke-key")
 @click.argument("key")
 def revoke_key(key: str) -> None:
-    """Revoke an API key by id or prefix."""
-    from control_plane.services import ApiKeyService
-
-    revoked = _admin_run(lambda s, _: ApiKeyService(session=s).revoke(key))
+    """Revoke an API key by id or prefix; running gateways refuse it within a second."""
+    revoked = _admin_run(lambda unit, _: unit.keys.revoke(key))
     click.echo(f"revoked {revoked.id} ({revoked.prefix}...)")
-    _announce_key_change(revoked.prefix)
 
 
-def _announce_key_change(prefix: str) -> None:
-    """Tell running gateways to drop their cached record of a key (they also re-read it
-    within 30 s on their own). Without Redis, that is the embedded server's bus."""
-    from tokenmill.bus import HttpPublisher, RedisBus
-    from tokenmill.net import http_address
-    from tokenmill.protocol import KEYS, KeysChanged
+# --- admin deployments ----------------------------------------------------------------------
 
-    settings = _settings()
-    if not settings.redis_url:
-        settings.ensure_secrets()
 
-    async def publish() -> None:
-        if settings.redis_url:
-            publisher: Any = RedisBus.from_url(settings.redis_url)
-        else:
-            url = settings.bus_url or f"{http_address(settings.host, settings.port)}/internal/bus"
-            publisher = HttpPublisher(url, settings.internal_token or "")
-        try:
-            await publisher.publish(KEYS, KeysChanged(prefix=prefix))
-        finally:
-            await publisher.close()
+@admin.group()
+def deployments() -> None:
+    """Create, change and list deployments (dedicated ones need a GPU type from the price book
+    and must fit their organisation's quotas)."""
 
-    try:
-        asyncio.run(publish())
-    except Exception as exc:
-        click.echo(f"note: no running gateway was told ({exc}); gateways re-read keys within 30 s", err=True)
+
+def _print_deployment(dep: Any) -> None:
+    replicas = f"{dep.min_replicas}-{dep.max_replicas}"
+    owner = dep.org_id or "(serverless)"
+    click.echo(f"{dep.id}\t{dep.name}\t{owner}\t{dep.gpu_type or '-'}\t{replicas}\t{dep.status}")
+
+
+@deployments.command("create")
+@click.option("--name", required=True, help="The name clients use as `model`.")
+@click.option("--model", required=True, help="Base model id or name.")
+@click.option("--org", "org_ref", help="Owner of a dedicated deployment (id or name).")
+@click.option("--type", "kind", type=click.Choice(["dedicated", "serverless"]), default="dedicated")
+@click.option("--gpu-type", help="GPU type, priced in the price book (dedicated).")
+@click.option("--min-replicas", type=int, default=None, help="[default: 1]")
+@click.option("--max-replicas", type=int, default=None, help="[default: 1]")
+@click.option("--status", type=click.Choice(["active", "stopped"]), default=None, help="[default: active]")
+@click.option("--adapter", "adapters", multiple=True, help="Adapter id to pin (repeat).")
+def create_deployment(
+    name: str,
+    model: str,
+    org_ref: str | None,
+    kind: str,
+    gpu_type: str | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    status: str | None,
+    adapters: tuple[str, ...],
+) -> None:
+    """Create a deployment; prints it as `list` does."""
+    from control_plane.catalog.schemas import DeploymentCreate
+    from control_plane.policy import SYSTEM
+
+    async def go(unit: UnitOfWork, _: Settings) -> Any:
+        org_id = (await unit.orgs.by_ref(org_ref)).id if org_ref else None
+        body = {"name": name, "model": model, "type": kind, "org_id": org_id, "gpu_type": gpu_type}
+        body |= {"min_replicas": min_replicas, "max_replicas": max_replicas, "status": status}
+        body["adapters"] = list(adapters)
+        return await unit.deployments.create_deployment(_body(body, DeploymentCreate), SYSTEM)
+
+    _print_deployment(_admin_run(go))
+
+
+@deployments.command("update")
+@click.argument("deployment_id")
+@click.option("--gpu-type", help="GPU type, priced in the price book.")
+@click.option("--min-replicas", type=int, default=None)
+@click.option("--max-replicas", type=int, default=None)
+@click.option("--status", type=click.Choice(["active", "stopped"]), default=None)
+def update_deployment(
+    deployment_id: str,
+    gpu_type: str | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    status: str | None,
+) -> None:
+    """Change a deployment's GPU type, replicas or status; prints it as `list` does."""
+    from control_plane.catalog.schemas import DeploymentUpdate
+    from control_plane.policy import SYSTEM
+
+    async def go(unit: UnitOfWork, _: Settings) -> Any:
+        dep = await unit.deployments.visible(deployment_id, SYSTEM)
+        body = {"gpu_type": gpu_type, "min_replicas": min_replicas, "max_replicas": max_replicas}
+        body["status"] = status
+        return await unit.deployments.update_deployment(dep, _body(body, DeploymentUpdate), SYSTEM)
+
+    _print_deployment(_admin_run(go))
+
+
+@deployments.command("list")
+@click.option("--org", "org_ref", help="Only this organisation's dedicated deployments (id or name).")
+def list_deployments(org_ref: str | None) -> None:
+    """Every deployment (or an organisation's): id, name, owner, GPU type, replicas, status."""
+    from control_plane.policy import SYSTEM
+
+    async def go(unit: UnitOfWork, _: Settings) -> Any:
+        org_id = (await unit.orgs.by_ref(org_ref)).id if org_ref else None
+        return await unit.deployments.list_visible(SYSTEM, org_id)
+
+    for dep in _admin_run(go):
+        _print_deployment(dep)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rate limits with GCRA (generic cell rate algorithm), plus concurrency slots.
+"""Rate limits with GCRA (generic cell rate algorithm), concurrency slots and budget holds.
 
 GCRA keeps one number per key, the theoretical arrival time (TAT): when the bucket would
 be full again if nothing else came. With `interval = period / rate` and a capacity of
@@ -9,24 +9,31 @@ be full again if nothing else came. With `interval = period / rate` and a capaci
 and then TAT moves to `max(TAT, now) + cost * interval`. That is a token bucket refilled
 continuously at `rate` per `period`, holding at most `burst`, without a refill timer.
 
-- `RedisRateLimiter`: one Lua script (atomic, clock from Redis `TIME`, so every gateway
-  replica shares one budget whatever their own clocks say). Keys expire when idle.
-- `MemoryRateLimiter`: the same arithmetic in process (embedded mode).
-
 A cost larger than the burst can never be allowed. It is refused with
 `retry_after = period` and nothing is charged; callers that want to say "request too
 large" rather than "retry later" check `cost > burst` themselves before calling.
 
-`acquire_many` checks several limits (requests/min and tokens/min of a key, say) in one
-atomic step: either all are charged or none is, so a request refused on tokens does not
-burn a request slot, and it is one round trip to Redis.
+Three operations, each atomic (and one round trip on Redis):
 
-`admit` is the gateway's admission step: rate limits, concurrency slots and a budget hold
-in one atomic step (one round trip). A budget is a spend counter in integer units (the
-gateway uses nano-dollars) plus the holds of requests in flight; a hold reserves a
-request's worst-case cost so that concurrent requests cannot overshoot a hard cap, and
-`settle` replaces it by the actual cost. The counter is seeded by the caller (from the
-ledger) the first time it is missing: `admit` then changes nothing and says so.
+- `admit`: charge several limits (requests/min and tokens/min of a key and of its
+  organisation, say), take concurrency slots and place a budget hold, all or nothing, so
+  a request refused on tokens does not burn a request slot. A budget is a spend counter in
+  integer units (the gateway uses nano-dollars) plus the holds of requests in flight; a
+  hold reserves a request's worst-case cost so that concurrent requests cannot overshoot a
+  hard cap. The counter is seeded by the caller (from the ledger) the first time it is
+  missing: `admit` then changes nothing and says so.
+- `finish`: everything a request gives back when it ends: the unused part of its token
+  charges, its slots, and its hold replaced by the actual cost.
+- `seed`: create the spend counter unless it exists.
+
+Backends:
+
+- `RedisRateLimiter`: one Lua script per operation, run by its SHA1 (atomic, clock from
+  Redis `TIME`, so every gateway replica shares one budget whatever their own clocks say).
+  Keys expire when idle.
+- `MemoryRateLimiter`: the same arithmetic in process (embedded mode).
+
+The GCRA step is written once per backend: `gcra` here, `gcra` in `_GCRA` for Lua.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -89,7 +96,8 @@ class Limit:
 
 @dataclass(slots=True)
 class Slot:
-    """One of `limit` concurrent slots under `key`; each expires after `ttl` seconds on its own."""
+    """One of `limit` concurrent slots under `key`; each expires after `ttl` seconds on its own,
+    so slots held by a crashed gateway come back even under steady traffic."""
 
     key: str
     limit: int
@@ -131,7 +139,8 @@ def _remaining(limit: Limit, tat: float, now: float) -> int:
 def gcra(limit: Limit, stored_tat: float | None, now: float) -> tuple[Decision, float]:
     """One GCRA step: the decision and the TAT to store if it is applied (pure function).
 
-    The Lua script in `RedisRateLimiter` is a transcription of this.
+    `_GCRA` is its transcription in Lua. A limit that passes but is not charged (another of
+    the batch refused) is described by the step of the same limit at cost 0.
     """
     tat = now if stored_tat is None or stored_tat < now else stored_tat
     new_tat = tat + limit.cost * limit.interval
@@ -144,88 +153,42 @@ def gcra(limit: Limit, stored_tat: float | None, now: float) -> tuple[Decision, 
     return Decision(False, limit.capacity, _remaining(limit, tat, now), tat - now, retry), tat
 
 
-def _uncharged(limit: Limit, stored_tat: float | None, now: float, would_pass: bool) -> Decision:
-    """The state of a limit that was not charged because another limit of the batch refused."""
-    tat = now if stored_tat is None or stored_tat < now else stored_tat
-    return Decision(would_pass, limit.capacity, _remaining(limit, tat, now), tat - now, 0.0)
-
-
 class RateLimiter(ABC):
-    async def acquire(
-        self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, cost: int = 1
-    ) -> Decision:
-        """Take `cost` units from `key`'s bucket (`rate` per `period`, capacity `burst`, default `rate`)."""
-        return (await self.acquire_many([Limit(key, rate, period, burst, cost)]))[0]
-
-    async def acquire_many(self, limits: Sequence[Limit]) -> list[Decision]:
-        """Check several limits atomically: all are charged, or none (then nothing changes).
-
-        When one refuses, every decision has `allowed` = whether that limit alone would
-        have passed, and remaining/reset_after describe the uncharged state; the refusing
-        ones carry their `retry_after`. Overall success is `all(d.allowed for d in result)`.
-        On Redis Cluster the keys must share a hash slot (use a `{hash tag}`).
-        """
-        return (await self.admit(limits)).limits
-
-    @abstractmethod
-    async def refund(
-        self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, amount: int
-    ) -> None:
-        """Give `amount` units back (e.g. max_tokens charged up front but not generated).
-
-        The bucket never goes above its capacity.
-        """
-
-    async def acquire_concurrency(self, key: str, limit: int, *, ttl: float = 600) -> bool:
-        """Take one of `limit` concurrent slots; False when all are taken.
-
-        Each slot expires after `ttl` seconds on its own, so slots held by a crashed
-        gateway come back even under steady traffic.
-        """
-        return (await self.admit([], [Slot(key, limit, ttl)])).allowed
-
-    @abstractmethod
-    async def release_concurrency(self, key: str) -> None:
-        """Give back one slot taken with `acquire_concurrency`."""
-
     @abstractmethod
     async def admit(
         self, limits: Sequence[Limit], slots: Sequence[Slot] = (), hold: Hold | None = None
     ) -> Admission:
         """Charge every limit, take every slot and place the hold, atomically, or do nothing.
 
-        When the hold's counter does not exist yet, nothing changes and the result has
-        `seeded=False`: call `seed` and try again.
+        When something refuses, every decision has `allowed` = whether that limit alone
+        would have passed, and remaining/reset_after describe the uncharged state; the
+        refusing ones carry their `retry_after`. When the hold's counter does not exist
+        yet, nothing changes and the result has `seeded=False`: call `seed` and try again.
+        On Redis Cluster the keys must share a hash slot (use a `{hash tag}`).
         """
 
-    @abstractmethod
-    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
-        """Drop a hold and add the actual cost. Returns the new spend, or None when the
-        counter is gone (its next seed reads the ledger, which will hold this request)."""
+    async def acquire_many(self, limits: Sequence[Limit]) -> list[Decision]:
+        """`admit` of rate limits alone: their decisions (all charged, or none)."""
+        return (await self.admit(limits)).limits
 
     @abstractmethod
-    async def seed(self, key: str, amount: int, ttl: float) -> bool:
-        """Create the spend counter unless it exists. True when this call created it."""
-
-    async def release_slots(self, slots: Sequence[Slot]) -> None:
-        for slot in slots:
-            await self.release_concurrency(slot.key)
-
     async def finish(
         self,
         refunds: Sequence[Limit] = (),
         slots: Sequence[Slot] = (),
         hold: tuple[str, str, int] | None = None,
     ) -> int | None:
-        """Everything a request gives back when it ends, in one step (one round trip on
-        Redis): `refund` each limit's `cost` units, release the slots, and `settle` the hold
-        `(key, hold id, actual)`. Returns what `settle` returns (None without a hold)."""
-        for limit in refunds:
-            await self.refund(
-                limit.key, rate=limit.rate, period=limit.period, burst=limit.burst, amount=limit.cost
-            )
-        await self.release_slots(slots)
-        return None if hold is None else await self.settle(*hold)
+        """Everything a request gives back when it ends, atomically: each limit's `cost`
+        units (never filling a bucket beyond its capacity), one slot of each slot key (the
+        newest: releasing the oldest would keep pushing a leaked slot's count onto ever
+        newer entries, so under steady traffic it would never expire; the newest belongs to
+        someone alive, or expires last anyway), and the hold `(key, hold id, actual)`
+        replaced by its actual cost. Returns the new spend; None without a hold or when the
+        counter is gone (its next seed reads the ledger, which will hold this request)."""
+
+    @abstractmethod
+    async def seed(self, key: str, amount: int, ttl: float) -> bool:
+        """Create the spend counter unless it exists. True when this call created it."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to close in memory
         pass
@@ -253,30 +216,6 @@ class MemoryRateLimiter(RateLimiter):
         self._tats = {k: t for k, t in self._tats.items() if t > now}
         self._slots = {k: kept for k, v in self._slots.items() if (kept := [e for e in v if e > now])}
         self._prune_at = max(1024, 2 * (len(self._tats) + len(self._slots)))
-
-    async def refund(
-        self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, amount: int
-    ) -> None:
-        limit = Limit(key, rate, period, burst, amount)
-        limit.validate()
-        tat = self._tats.get(key)
-        now = self._clock()
-        if tat is None or tat <= now:
-            return  # already full
-        new_tat = tat - amount * limit.interval
-        if new_tat <= now:
-            del self._tats[key]
-        else:
-            self._tats[key] = new_tat
-
-    async def release_concurrency(self, key: str) -> None:
-        slots = self._slots.get(key)
-        if not slots:
-            return
-        # Drop the newest slot (see the Lua script for why not the oldest).
-        slots.remove(max(slots))
-        if not slots:
-            del self._slots[key]
 
     def _counter(self, key: str, now: float) -> int | None:
         entry = self._spent.get(key)
@@ -311,7 +250,7 @@ class MemoryRateLimiter(RateLimiter):
         allowed = budget_ok and all(room) and all(d.allowed for d, _ in results)
         if not allowed:
             decisions = [
-                d if not d.allowed else _uncharged(limit, self._tats.get(limit.key), now, True)
+                d if not d.allowed else gcra(replace(limit, cost=0), self._tats.get(limit.key), now)[0]
                 for limit, (d, _) in zip(limits, results, strict=True)
             ]
             return Admission(False, decisions, room, budget_ok, spent, held)
@@ -324,8 +263,33 @@ class MemoryRateLimiter(RateLimiter):
             held += hold.amount
         return Admission(True, [d for d, _ in results], room, True, spent, held)
 
-    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
+    async def finish(
+        self,
+        refunds: Sequence[Limit] = (),
+        slots: Sequence[Slot] = (),
+        hold: tuple[str, str, int] | None = None,
+    ) -> int | None:
+        for limit in refunds:
+            limit.validate()
         now = self._clock()
+        for limit in refunds:
+            tat = self._tats.get(limit.key)
+            if tat is None or tat <= now:
+                continue  # already full
+            new_tat = tat - limit.cost * limit.interval
+            if new_tat <= now:
+                del self._tats[limit.key]
+            else:
+                self._tats[limit.key] = new_tat
+        for slot in slots:
+            held = self._slots.get(slot.key)
+            if held:
+                held.remove(max(held))  # the newest (see `RateLimiter.finish`)
+                if not held:
+                    del self._slots[slot.key]
+        if hold is None:
+            return None
+        key, hold_id, actual = hold
         self._holds.get(key, {}).pop(hold_id, None)
         counter = self._counter(key, now)
         if counter is None:
@@ -345,11 +309,17 @@ class MemoryRateLimiter(RateLimiter):
 
 # All times in microseconds from Redis TIME. Lua numbers are doubles: ~1.8e15 µs is still
 # exact (< 2^53). Replies are integers (Lua numbers are truncated on the way out), so
-# times are rounded up to whole microseconds.
-_LUA = """
+# times are rounded up to whole microseconds. Keys that hold a TAT expire when the bucket
+# is full again; slot sets and holds when their last member lapses.
+_CLOCK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local op = ARGV[1]
+"""
+
+# `gcra` and `_remaining` above, in Lua: the decision of one limit at its stored TAT.
+# Returns whether it passes, the TAT clamped to now, the TAT to store if it is charged, and
+# the retry time when it does not pass.
+_GCRA = """
 local EPS = 1e-6
 
 local function remaining(interval, burst, tat)
@@ -358,171 +328,182 @@ local function remaining(interval, burst, tat)
   return units
 end
 
-if op == 'refund' then
-  -- ARGV[2] = interval, ARGV[3] = amount
-  local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
-  if tat <= now then return 0 end
-  local new_tat = tat - tonumber(ARGV[2]) * tonumber(ARGV[3])
-  if new_tat <= now then
-    redis.call('DEL', KEYS[1])
-  else
-    redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil((new_tat - now) / 1000) + 1)
+local function gcra(key, interval, burst, cost, period)
+  local tat = tonumber(redis.call('GET', key) or now)
+  if tat < now then tat = now end
+  local new_tat = tat + cost * interval
+  local allow_at = new_tat - burst * interval
+  if cost <= burst and allow_at <= now + EPS * interval then
+    return true, tat, new_tat, 0
   end
-  return 1
-
-elseif op == 'admit' then
-  -- ARGV[2..4] = number of limits, of slots, 1 if there is a hold; then 4 args per limit
-  -- (as 'gcra'), 3 per slot (limit, ttl, member), 4 for the hold (id, amount, cap or -1,
-  -- ttl). KEYS = the limits' keys, the slots' keys, then the spend counter and its holds.
-  local nl, ns, nh = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-  local a = 5
-  local budget = {1, 0, 0}
-  local all_ok = true
-  if nh == 1 then
-    local sk, hk = KEYS[nl + ns + 1], KEYS[nl + ns + 2]
-    local spent = redis.call('GET', sk)
-    if not spent then return {-1} end
-    local b = a + 4 * nl + 3 * ns
-    local amount, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-    local held = 0
-    local holds = redis.call('HGETALL', hk)
-    for i = 1, #holds, 2 do
-      local amt, exp = string.match(holds[i + 1], '^(%-?%d+):(%d+)$')
-      if amt == nil or tonumber(exp) <= now then
-        redis.call('HDEL', hk, holds[i])
-      else
-        held = held + tonumber(amt)
-      end
-    end
-    spent = tonumber(spent)
-    local ok = 1
-    if cap >= 0 and spent + held + amount > cap then ok = 0; all_ok = false end
-    budget = {ok, spent, held}
-  end
-  local params, tats, new_tats, pass, rows = {}, {}, {}, {}, {}
-  for i = 1, nl do
-    local interval, burst = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-    local cost, period = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    a = a + 4
-    params[i] = {interval, burst}
-    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-    if tat < now then tat = now end
-    local new_tat = tat + cost * interval
-    local allow_at = new_tat - burst * interval
-    tats[i], new_tats[i] = tat, new_tat
-    pass[i] = cost <= burst and allow_at <= now + EPS * interval
-    if not pass[i] then
-      all_ok = false
-      local retry = allow_at - now
-      if cost > burst then retry = period end
-      rows[i] = {0, remaining(interval, burst, tat), math.ceil(retry), math.ceil(tat - now)}
-    end
-  end
-  local room, members = {}, {}
-  for j = 1, ns do
-    local k = KEYS[nl + j]
-    local lim, ttl = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-    members[j] = {ARGV[a + 2], ttl}
-    a = a + 3
-    redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
-    room[j] = 1
-    if redis.call('ZCARD', k) >= lim then room[j] = 0; all_ok = false end
-  end
-  for i = 1, nl do
-    local interval, burst = params[i][1], params[i][2]
-    if all_ok then
-      local reset = new_tats[i] - now
-      if reset > 0 then
-        redis.call('SET', KEYS[i], new_tats[i], 'PX', math.ceil(reset / 1000) + 1)
-      end
-      rows[i] = {1, remaining(interval, burst, new_tats[i]), 0, math.ceil(reset)}
-    elseif pass[i] then
-      rows[i] = {1, remaining(interval, burst, tats[i]), 0, math.ceil(tats[i] - now)}
-    end
-  end
-  if all_ok then
-    for j = 1, ns do
-      local ttl = members[j][2]
-      redis.call('ZADD', KEYS[nl + j], now + ttl, members[j][1])
-      redis.call('PEXPIRE', KEYS[nl + j], math.ceil(ttl / 1000) + 1)
-    end
-    if nh == 1 then
-      local hk = KEYS[nl + ns + 2]
-      local b = 5 + 4 * nl + 3 * ns
-      local ttl = tonumber(ARGV[b + 3])
-      redis.call('HSET', hk, ARGV[b], ARGV[b + 1] .. ':' .. string.format('%d', now + ttl))
-      if redis.call('PTTL', hk) < math.ceil(ttl / 1000) + 1 then
-        redis.call('PEXPIRE', hk, math.ceil(ttl / 1000) + 1)
-      end
-      budget[3] = budget[3] + tonumber(ARGV[b + 1])
-    end
-  end
-  local ok_all = 0
-  if all_ok then ok_all = 1 end
-  return {ok_all, rows, room, budget}
-
-elseif op == 'settle' then
-  -- KEYS = spend counter, holds; ARGV[2] = hold id, ARGV[3] = actual
-  redis.call('HDEL', KEYS[2], ARGV[2])
-  if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-  return redis.call('INCRBY', KEYS[1], ARGV[3])
-
-elseif op == 'finish' then
-  -- 'refund' of each rate key, 'crelease' of each slot key and 'settle' of the hold, in
-  -- one call. ARGV[2..4] = number of refunds, of slots, 1 if there is a hold; then 2 args
-  -- per refund (interval, amount) and 2 for the hold (id, actual). KEYS = the refunds'
-  -- keys, the slots' keys, then the spend counter and its holds. Returns the new spend,
-  -- -1 when the counter is gone, -2 without a hold.
-  local nr, ns, nh = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-  for i = 1, nr do
-    local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
-    if tat > now then
-      local new_tat = tat - tonumber(ARGV[3 + 2 * i]) * tonumber(ARGV[4 + 2 * i])
-      if new_tat <= now then
-        redis.call('DEL', KEYS[i])
-      else
-        redis.call('SET', KEYS[i], new_tat, 'PX', math.ceil((new_tat - now) / 1000) + 1)
-      end
-    end
-  end
-  for j = 1, ns do
-    redis.call('ZPOPMAX', KEYS[nr + j])
-  end
-  if nh == 0 then return -2 end
-  local a = 5 + 2 * nr
-  redis.call('HDEL', KEYS[nr + ns + 2], ARGV[a])
-  if redis.call('EXISTS', KEYS[nr + ns + 1]) == 0 then return -1 end
-  return redis.call('INCRBY', KEYS[nr + ns + 1], ARGV[a + 1])
-
-elseif op == 'seed' then
-  -- ARGV[2] = amount, ARGV[3] = ttl in ms
-  if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
-  return 0
-
-elseif op == 'crelease' then
-  -- Remove the newest slot, not the oldest: releasing the oldest would keep pushing a
-  -- leaked slot's count onto ever newer entries, so under steady traffic it would never
-  -- expire. The newest belongs to someone alive (or expires last anyway).
-  redis.call('ZPOPMAX', KEYS[1])
-  return 1
+  if cost > burst then return false, tat, tat, period end
+  return false, tat, tat, allow_at - now
 end
-return redis.error_reply('unknown op ' .. tostring(op))
+"""
+
+_ADMIT = (
+    _CLOCK
+    + _GCRA
+    + """
+-- ARGV[1..3] = number of limits, of slots, 1 if there is a hold; then 4 args per limit
+-- (interval, burst, cost, period), 3 per slot (limit, ttl, member), 4 for the hold (id,
+-- amount, cap or -1, ttl). KEYS = the limits' keys, the slots' keys, then the spend counter
+-- and its holds. Replies {1 if admitted, rows, room, budget}, or {-1} when the counter is
+-- missing (nothing changed).
+local nl, ns, nh = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local a = 4
+local budget = {1, 0, 0}
+local all_ok = true
+if nh == 1 then
+  local sk, hk = KEYS[nl + ns + 1], KEYS[nl + ns + 2]
+  local spent = redis.call('GET', sk)
+  if not spent then return {-1} end
+  local b = a + 4 * nl + 3 * ns
+  local amount, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local held = 0
+  local holds = redis.call('HGETALL', hk)
+  for i = 1, #holds, 2 do
+    local amt, exp = string.match(holds[i + 1], '^(%-?%d+):(%d+)$')
+    if amt == nil or tonumber(exp) <= now then
+      redis.call('HDEL', hk, holds[i])
+    else
+      held = held + tonumber(amt)
+    end
+  end
+  spent = tonumber(spent)
+  local ok = 1
+  if cap >= 0 and spent + held + amount > cap then ok = 0; all_ok = false end
+  budget = {ok, spent, held}
+end
+local params, tats, new_tats, pass, rows = {}, {}, {}, {}, {}
+for i = 1, nl do
+  local interval, burst = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local ok, tat, new_tat, retry = gcra(KEYS[i], interval, burst, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
+  a = a + 4
+  params[i], tats[i], new_tats[i], pass[i] = {interval, burst}, tat, new_tat, ok
+  if not ok then
+    all_ok = false
+    rows[i] = {0, remaining(interval, burst, tat), math.ceil(retry), math.ceil(tat - now)}
+  end
+end
+local room, members = {}, {}
+for j = 1, ns do
+  local k = KEYS[nl + j]
+  local lim, ttl = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  members[j] = {ARGV[a + 2], ttl}
+  a = a + 3
+  redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
+  room[j] = 1
+  if redis.call('ZCARD', k) >= lim then room[j] = 0; all_ok = false end
+end
+for i = 1, nl do
+  local interval, burst = params[i][1], params[i][2]
+  if all_ok then
+    local reset = new_tats[i] - now
+    if reset > 0 then
+      redis.call('SET', KEYS[i], new_tats[i], 'PX', math.ceil(reset / 1000) + 1)
+    end
+    rows[i] = {1, remaining(interval, burst, new_tats[i]), 0, math.ceil(reset)}
+  elseif pass[i] then  -- would pass, not charged: described at its current TAT
+    rows[i] = {1, remaining(interval, burst, tats[i]), 0, math.ceil(tats[i] - now)}
+  end
+end
+if all_ok then
+  for j = 1, ns do
+    local ttl = members[j][2]
+    redis.call('ZADD', KEYS[nl + j], now + ttl, members[j][1])
+    redis.call('PEXPIRE', KEYS[nl + j], math.ceil(ttl / 1000) + 1)
+  end
+  if nh == 1 then
+    local hk = KEYS[nl + ns + 2]
+    local b = 4 + 4 * nl + 3 * ns
+    local ttl = tonumber(ARGV[b + 3])
+    redis.call('HSET', hk, ARGV[b], ARGV[b + 1] .. ':' .. string.format('%d', now + ttl))
+    if redis.call('PTTL', hk) < math.ceil(ttl / 1000) + 1 then
+      redis.call('PEXPIRE', hk, math.ceil(ttl / 1000) + 1)
+    end
+    budget[3] = budget[3] + tonumber(ARGV[b + 1])
+  end
+end
+local ok_all = 0
+if all_ok then ok_all = 1 end
+return {ok_all, rows, room, budget}
+"""
+)
+
+_FINISH = (
+    _CLOCK
+    + """
+-- ARGV[1..3] = number of refunds, of slots, 1 if there is a hold; then 2 args per refund
+-- (interval, amount) and 2 for the hold (id, actual). KEYS = the refunds' keys, the slots'
+-- keys, then the spend counter and its holds. Returns the new spend, -1 when the counter is
+-- gone, -2 without a hold.
+local nr, ns, nh = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, nr do
+  local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
+  if tat > now then
+    local new_tat = tat - tonumber(ARGV[2 + 2 * i]) * tonumber(ARGV[3 + 2 * i])
+    if new_tat <= now then
+      redis.call('DEL', KEYS[i])
+    else
+      redis.call('SET', KEYS[i], new_tat, 'PX', math.ceil((new_tat - now) / 1000) + 1)
+    end
+  end
+end
+for j = 1, ns do
+  redis.call('ZPOPMAX', KEYS[nr + j])  -- the newest slot (see RateLimiter.finish)
+end
+if nh == 0 then return -2 end
+local a = 4 + 2 * nr
+redis.call('HDEL', KEYS[nr + ns + 2], ARGV[a])
+if redis.call('EXISTS', KEYS[nr + ns + 1]) == 0 then return -1 end
+return redis.call('INCRBY', KEYS[nr + ns + 1], ARGV[a + 1])
+"""
+)
+
+_SEED = """
+-- ARGV[1] = amount, ARGV[2] = ttl in ms
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
 """
 
 
+class _Script:
+    """A Lua script run by its SHA1 (EVALSHA) and loaded when Redis does not know it (first
+    use, or after a restart): what redis-py's `register_script` does, on either client."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, redis: Redis | RespClient, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except Exception as exc:
+            # redis-py raises NoScriptError (its message without the code), RespClient a
+            # ResponseError starting with the code.
+            if type(exc).__name__ != "NoScriptError" and not str(exc).startswith("NOSCRIPT"):
+                raise
+        await redis.execute_command("SCRIPT", "LOAD", self.source)
+        return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+_admit, _finish, _seed = _Script(_ADMIT), _Script(_FINISH), _Script(_SEED)
+
+
 class RedisRateLimiter(RateLimiter):
-    """GCRA and concurrency slots in Redis, shared by every gateway replica.
+    """GCRA, concurrency slots and budget holds in Redis, shared by every gateway replica.
 
     `redis` is a redis-py client or, from `from_url`, the lean `RespClient` (a fraction of
-    the CPU per call, and every request makes one or two): both run the script by its
-    SHA1 and load it when Redis does not know it (first use, or after a restart).
+    the CPU per call, and every request makes one or two).
     """
 
     def __init__(self, redis: Redis | RespClient, *, prefix: str = "tm:rl:", owns_client: bool = False):
         self._redis = redis
         self._prefix = prefix
         self._owns_client = owns_client
-        self._sha = hashlib.sha1(_LUA.encode()).hexdigest()
         # Slot members need only be unique: a random prefix per limiter and a counter (no
         # system call for randomness on every request).
         self._member = secrets.token_hex(8) + ":"
@@ -540,33 +521,11 @@ class RedisRateLimiter(RateLimiter):
             client = Redis.from_url(url)
         return cls(client, owns_client=True, **kwargs)
 
-    async def _script(self, *, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
-        except Exception as exc:
-            # redis-py raises NoScriptError (its message without the code), RespClient a
-            # ResponseError starting with the code.
-            if type(exc).__name__ != "NoScriptError" and not str(exc).startswith("NOSCRIPT"):
-                raise
-        await self._redis.execute_command("SCRIPT", "LOAD", _LUA)
-        return await self._redis.execute_command("EVALSHA", self._sha, len(keys), *keys, *args)
-
     def _rate_key(self, key: str) -> str:
         return f"{self._prefix}r:{key}"
 
     def _slot_key(self, key: str) -> str:
         return f"{self._prefix}c:{key}"
-
-    async def refund(
-        self, key: str, *, rate: int, period: float = 60.0, burst: int | None = None, amount: int
-    ) -> None:
-        limit = Limit(key, rate, period, burst, amount)
-        limit.validate()
-        if amount:
-            await self._script(keys=[self._rate_key(key)], args=["refund", limit.interval * 1e6, amount])
-
-    async def release_concurrency(self, key: str) -> None:
-        await self._script(keys=[self._slot_key(key)], args=["crelease"])
 
     def _budget_keys(self, key: str) -> list[str]:
         return [f"{self._prefix}b:{key}", f"{self._prefix}h:{key}"]
@@ -575,7 +534,7 @@ class RedisRateLimiter(RateLimiter):
         self, limits: Sequence[Limit], slots: Sequence[Slot] = (), hold: Hold | None = None
     ) -> Admission:
         keys = [self._rate_key(limit.key) for limit in limits] + [self._slot_key(s.key) for s in slots]
-        args: list[Any] = ["admit", len(limits), len(slots), 0 if hold is None else 1]
+        args: list[Any] = [len(limits), len(slots), 0 if hold is None else 1]
         for limit in limits:
             limit.validate()
             args += [limit.interval * 1e6, limit.capacity, limit.cost, limit.period * 1e6]
@@ -584,7 +543,7 @@ class RedisRateLimiter(RateLimiter):
         if hold is not None:
             keys += self._budget_keys(hold.key)
             args += [hold.id, hold.amount, -1 if hold.cap is None else hold.cap, hold.ttl * 1e6]
-        reply = await self._script(keys=keys, args=args)
+        reply = await _admit(self._redis, keys, args)
         if reply[0] == -1:
             return Admission(False, [], [], seeded=False)
         ok, rows, room, (budget_ok, spent, held) = reply
@@ -593,10 +552,6 @@ class RedisRateLimiter(RateLimiter):
             for limit, (allowed, remaining, retry, reset) in zip(limits, rows, strict=True)
         ]
         return Admission(bool(ok), decisions, [bool(r) for r in room], bool(budget_ok), int(spent), int(held))
-
-    async def settle(self, key: str, hold_id: str, actual: int) -> int | None:
-        spent = int(await self._script(keys=self._budget_keys(key), args=["settle", hold_id, actual]))
-        return None if spent < 0 else spent
 
     async def finish(
         self,
@@ -608,19 +563,19 @@ class RedisRateLimiter(RateLimiter):
         if not (refunds or slots or hold):
             return None
         keys = [self._rate_key(limit.key) for limit in refunds] + [self._slot_key(s.key) for s in slots]
-        args: list[Any] = ["finish", len(refunds), len(slots), 0 if hold is None else 1]
+        args: list[Any] = [len(refunds), len(slots), 0 if hold is None else 1]
         for limit in refunds:
             limit.validate()
             args += [limit.interval * 1e6, limit.cost]
         if hold is not None:
             keys += self._budget_keys(hold[0])
             args += [hold[1], hold[2]]
-        spent = int(await self._script(keys=keys, args=args))
+        spent = int(await _finish(self._redis, keys, args))
         return None if spent < 0 else spent
 
     async def seed(self, key: str, amount: int, ttl: float) -> bool:
         keys = self._budget_keys(key)[:1]
-        return bool(await self._script(keys=keys, args=["seed", amount, max(1, int(ttl * 1000))]))
+        return bool(await _seed(self._redis, keys, [amount, max(1, int(ttl * 1000))]))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -344,8 +344,9 @@ def _converted(gguf: Path, target: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF into an HF directory through transformers (float32 safetensors).
 
-    The engine issue will read GGUF with the `gguf` package directly; this path only has
-    to produce a directory that plain `from_pretrained(dir)` loads identically.
+    What is served from a source gets this directory (workers, the gateway's tokenizer,
+    vLLM); it must load identically through plain `from_pretrained(dir)`, transformers
+    being the reference the engine is checked against.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

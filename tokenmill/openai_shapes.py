@@ -52,6 +52,7 @@ from tokenmill.openai_types import (
     Usage,
 )
 from tokenmill.protocol import GenerateDelta, SamplingParams
+from tokenmill.request_limits import check_prompt, check_prompt_length
 from tokenmill.structured import (
     arguments_schema,
     may_be_tool_call,
@@ -117,30 +118,25 @@ def chat_prompt(
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except Exception as exc:  # a template may raise on e.g. wrong role order
         raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
-    ids = encode_prompt(tok, text, context_length, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
+    ids = encode_prompt(tok, text, context_length, "messages", max_tokens)
     sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
     sampling.grammar = plan.grammar if plan is not None else response_grammar(req)
     return Prompt(ids, sampling)
 
 
-def encode_prompt(tok: Tokenizer, text: str, context_length: int, param: str) -> list[int]:
-    """`text`'s token ids; a text that cannot fit the context is refused before the work of
-    tokenizing it (a megabyte costs a second of CPU)."""
-    at_least = tok.min_tokens(text)
-    if at_least > context_length:
-        raise context_length_exceeded(context_length, f"at least {at_least} prompt tokens", param)
-    return tok.encode(text)
-
-
-def context_length_exceeded(context_length: int, requested: str, param: str) -> APIError:
-    return APIError(
-        400,
-        f"This model's maximum context length is {context_length} tokens. "
-        f"However, you requested {requested}.",
-        code="context_length_exceeded",
-        param=param,
+def encode_prompt(
+    tok: Tokenizer, text: str, context_length: int, param: str, max_tokens: int | None = None
+) -> list[int]:
+    """`text`'s token ids, checked to fit the context with `max_tokens` after them; a text
+    that cannot fit is refused before the work of tokenizing it (a megabyte costs a second
+    of CPU)."""
+    check_prompt_length(
+        tok.min_tokens(text), context_length, param=param, max_tokens=max_tokens, at_least=True
     )
+    ids = tok.encode(text)
+    check_prompt(ids, context_length, param=param, max_tokens=max_tokens)
+    return ids
 
 
 def with_system(messages: list[dict[str, object]], text: str) -> list[dict[str, object]]:
@@ -176,33 +172,34 @@ def embedding_inputs(req: EmbeddingRequest, tok: Tokenizer, *, context_length: i
     for i, x in enumerate(texts):
         if not x:
             raise APIError(400, f"Input {i} is an empty string.", param="input")
-        at_least = tok.min_tokens(x)
-        if at_least > context_length:
-            raise APIError(
-                400,
-                f"Input {i} has at least {at_least} tokens; this model reads at most {context_length}.",
-                code="context_length_exceeded",
-                param="input",
-            )
+        check_prompt_length(
+            tok.min_tokens(x),
+            context_length,
+            param="input",
+            completion=False,
+            at_least=True,
+            what=f"tokens in input {i}",
+        )
     # One batch call: it tokenizes in parallel and without holding the GIL.
     encoded = iter(tok.encode_batch(texts, add_special_tokens=True) if texts else [])
     out = []
     for i, x in enumerate(raw):
+        what = f"tokens in input {i}"
         if isinstance(x, str):
             ids = next(encoded)
-        else:
-            if not x or any(not 0 <= t < tok.vocab_size for t in x):  # type: ignore[union-attr]
-                raise APIError(
-                    400, f"Input {i} has no tokens or a token id outside the vocabulary.", param="input"
-                )
-            ids = [*bare[:1], *x, *bare[1:]]  # type: ignore[misc]
-        if len(ids) > context_length:
-            raise APIError(
-                400,
-                f"Input {i} has {len(ids)} tokens; this model reads at most {context_length}.",
-                code="context_length_exceeded",
+            check_prompt_length(len(ids), context_length, param="input", completion=False, what=what)
+        else:  # token ids, wrapped as a text is
+            check_prompt(
+                x,
+                context_length,
                 param="input",
+                completion=False,
+                vocab_size=tok.vocab_size,
+                extra=len(bare),
+                name=f"Input {i}",
+                what=what,
             )
+            ids = [*bare[:1], *x, *bare[1:]]  # type: ignore[misc]
         out.append(ids)
     return out
 
@@ -240,21 +237,13 @@ def completion_prompt(
         if len(prompt) != 1:
             raise APIError(400, "Send one prompt per request for now.", param="prompt")
         prompt = prompt[0]
+    max_tokens = req.max_tokens or 16
     if isinstance(prompt, str):
-        ids = encode_prompt(tok, prompt, context_length, "prompt")
-    elif len(prompt) > context_length:  # before looking at each of a million ids
-        raise context_length_exceeded(context_length, f"{len(prompt)} prompt tokens", "prompt")
-    elif all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in prompt):
-        ids = [int(t) for t in prompt]
-    else:
-        raise APIError(
-            400, "'prompt' must be a string, a list of strings or a list of token ids.", param="prompt"
-        )
-    if not ids:
-        raise APIError(400, "The prompt must not be empty.", param="prompt")
-    sampling = sampling_params(
-        req, ids, req.max_tokens or 16, context_length=context_length, defaults=defaults
-    )
+        ids = encode_prompt(tok, prompt, context_length, "prompt", max_tokens)
+    else:  # token ids
+        check_prompt(prompt, context_length, param="prompt", max_tokens=max_tokens, vocab_size=tok.vocab_size)
+        ids = prompt  # type: ignore[assignment]  # all ints: checked
+    sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
     sampling.grammar = response_grammar(req)  # guided_json / guided_regex / ...
     return Prompt(ids, sampling)
 
@@ -267,12 +256,8 @@ def sampling_params(
     context_length: int,
     defaults: Mapping[str, float],
 ) -> SamplingParams:
-    """Wire sampling parameters, after checking that prompt + max_tokens fit the context."""
+    """Wire sampling parameters of a prompt checked to fit the context (`check_prompt`)."""
     room = context_length - len(ids)
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        asked = f" plus {max_tokens} completion tokens" if max_tokens else ""
-        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        raise context_length_exceeded(context_length, f"{len(ids)} prompt tokens{asked}", param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     d = defaults
 
@@ -553,23 +538,25 @@ async def respond(
     model: str,
     request_id: str,
     deltas: AsyncGenerator[GenerateDelta, None],
-    extra_headers: Mapping[str, str] | None = None,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> Response[Any]:
     """Answer `body` from `deltas`: one JSON object, or an SSE stream.
 
-    `request_id` goes out as `x-request-id` (and into the object ids). Closing `deltas`
+    `request_id` goes out as `x-request-id` (and into the object ids), after `headers`
+    (e.g. `x-ratelimit-*`), on the answer and on its errors alike. Closing `deltas`
     must stop the generation, which happens when the client goes away; so must a
     generator that was never started, which is why this starts it at once.
     """
     shape = shape_of(body)
     object_id, created = f"{shape.kind}-{request_id[4:]}", int(time.time())
-    headers = {**(extra_headers or {}), "x-request-id": request_id}
+    sent = {**(headers or {}), "x-request-id": request_id}
     # Wait for the first delta before answering, so failures before the first token
     # (no worker, a refused request) are proper HTTP errors rather than a broken stream.
     try:
         first = await anext(deltas)
     except APIError as exc:
-        exc.headers.update(headers)
+        exc.headers.update(sent)
         raise
     if not body.stream:
         # Nothing is sent until the end, so watch for the client leaving: then stop the
@@ -577,22 +564,22 @@ async def respond(
         try:
             collected = await collect_unless_gone(first, deltas, request.receive)
         except APIError as exc:  # failed after the first token, still before any byte was sent
-            exc.headers.update(headers)
+            exc.headers.update(sent)
             raise
         if collected is None:
-            return Response(b"", status_code=499, headers=headers)  # nobody is listening
+            return Response(b"", status_code=499, headers=sent)  # nobody is listening
         text, last = collected
         calls = parse_tool_calls(text) if uses_tools(body) else None
         if calls:
             obj: msgspec.Struct = tool_call_completion(object_id, created, model, calls, usage(last))
         else:
             obj = shape.final(object_id, created, model, text, finish_reason(last), usage(last))
-        return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
+        return Response(msgspec.json.encode(obj), media_type="application/json", headers=sent)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Stream(
         sse_events(shape, object_id, created, model, first, deltas, include_usage, uses_tools(body)),
         media_type="text/event-stream",
-        headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        headers={**sent, "cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 

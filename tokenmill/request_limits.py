@@ -7,11 +7,15 @@ Every bound here is a setting with OpenAI's own limit as the default where it ha
 and breaking one is a 400 naming the field. The checks walk what msgspec already decoded
 and cost microseconds; they run on the gateway's event loop, and on a worker for what
 reaches it directly (its OpenAI endpoints and `/generate`).
+
+`check_prompt` and `check_prompt_length` hold the one rule of whether a prompt fits a
+model: the gateway and a worker apply it before tokenizing (on a bound of the token count),
+after tokenizing, and to token ids a client sends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,3 +196,66 @@ def check_sampling(sampling: SamplingParams, limits: RequestLimits) -> None:
     _check_stop(sampling.stop, limits)
     if sampling.logprobs is not None:
         _count("logprobs", sampling.logprobs, limits.top_logprobs, "log probabilities")
+
+
+# --- the prompt against the model ------------------------------------------------------------
+
+
+def check_prompt_length(
+    tokens: int,
+    context_length: int,
+    *,
+    param: str,
+    max_tokens: int | None = None,
+    completion: bool = True,
+    at_least: bool = False,
+    what: str = "prompt tokens",
+) -> None:
+    """Refuse (400 `context_length_exceeded`) a prompt of `tokens` that the model cannot read:
+    with a completion to follow, the context must also hold `max_tokens` (at least one
+    token); an encoder's input only has to fit. `at_least`: `tokens` is a lower bound known
+    without tokenizing (`Tokenizer.min_tokens`), so a text that cannot fit is refused before
+    the work of tokenizing it."""
+    reserve = max(max_tokens or 0, 1) if completion else 0
+    if tokens + reserve <= context_length:
+        return
+    count = f"at least {tokens}" if at_least else str(tokens)
+    asked = f" plus {max_tokens} completion tokens" if completion and max_tokens else ""
+    raise APIError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. "
+        f"However, you requested {count} {what}{asked}.",
+        code="context_length_exceeded",
+        param=param,
+    )
+
+
+def check_prompt(
+    ids: Sequence[object],
+    context_length: int,
+    *,
+    param: str,
+    max_tokens: int | None = None,
+    completion: bool = True,
+    vocab_size: int | None = None,
+    extra: int = 0,
+    name: str = "The prompt",
+    what: str = "prompt tokens",
+) -> None:
+    """Refuse (400) token ids that cannot be a model's input: none, more than fit the context
+    (`check_prompt_length`, with `extra` tokens the model reads besides them, e.g. an
+    encoder's special tokens), or, given `vocab_size`, anything but ids of the vocabulary
+    (a client's list may mix in strings). The length comes first, so a million ids are
+    refused without looking at each."""
+    if not ids:
+        raise APIError(400, f"{name} must not be empty.", param=param)
+    check_prompt_length(
+        len(ids) + extra, context_length, param=param, max_tokens=max_tokens, completion=completion, what=what
+    )
+    if vocab_size is not None:
+        try:
+            ok = min(ids) >= 0 and max(ids) < vocab_size  # type: ignore[type-var, operator]
+        except TypeError:  # not all numbers
+            ok = False
+        if not ok:
+            raise APIError(400, f"{name} must be token ids in [0, {vocab_size}).", param=param)

@@ -109,7 +109,12 @@ class Settings(BaseSettings):
     block_size: int = Field(default=16, description="Tokens per KV cache block (workers and the router).")
     max_num_seqs: int = Field(default=64, description="Most sequences a worker runs at once.")
     max_num_batched_tokens: int = Field(default=2048, description="Token budget of one engine step.")
-    kv_cache_gib: float = Field(default=1.0, description="KV cache memory of a CPU worker, in GiB.")
+    kv_cache_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache memory of a CPU worker, in GiB; default: 40% of the host's (or the "
+        "container's) memory shared among the workers on the host, at most 8 GiB each.",
+    )
     prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
     scheduling: Literal["fair", "fcfs"] = Field(
         default="fair",
@@ -123,7 +128,9 @@ class Settings(BaseSettings):
         "step for greedy requests while few sequences run; 0 = off.",
     )
     attention_backend: str | None = Field(
-        default=None, description="`torch` or `triton`; default: Triton on CUDA, PyTorch on CPU."
+        default=None,
+        description="`cpu` (the C kernel reading the paged cache in place), `torch` or `triton`; "
+        "default: Triton on CUDA, the C kernel on the CPU (PyTorch where it cannot be built).",
     )
     default_requests_per_minute: int = Field(
         default=600, description="Requests a minute of an organisation without a plan; 0 = no limit."
@@ -134,6 +141,18 @@ class Settings(BaseSettings):
     )
     default_max_concurrent: int = Field(
         default=64, description="Concurrent requests of an organisation without a plan; 0 = no limit."
+    )
+    default_max_dedicated_replicas: int = Field(
+        default=16,
+        ge=0,
+        description="Quota of an organisation whose plan sets none: the sum of its dedicated "
+        "deployments' max_replicas; 0 = no limit.",
+    )
+    default_max_gpus: int = Field(
+        default=16,
+        ge=0,
+        description="Quota of an organisation whose plan sets none: GPUs of all its dedicated "
+        "deployments at max_replicas; 0 = no limit.",
     )
     celery_broker_url: str | None = Field(
         default=None,

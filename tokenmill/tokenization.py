@@ -8,7 +8,7 @@ only: the gateway must tokenize without importing torch or transformers.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -328,9 +328,6 @@ class IncrementalDetokenizer:
             self._read = len(self._ids)
             return full_text[len(prefix_text) :]
         return ""
-
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """Emit what is held back at the end of generation.

@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenmill.modelstore import fetch_prefix
 from tokenmill.storage import Storage
 
-# PEFT's file names, as the control plane stores them (control_plane.lora; workers do not
+# PEFT's file names, as the control plane stores them (control_plane.catalog.lora; workers do not
 # import the control plane).
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

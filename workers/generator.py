@@ -1,5 +1,9 @@
 """The worker's generator on top of the engine: wire requests in, wire deltas out, and the
-LoRA adapters it serves (fetched from storage, read off the engine thread, then registered on it).
+LoRA adapters it serves (fetched from storage, read off the engine's loop, then registered on it).
+
+The engine runs on a thread of this process (`AsyncEngine`, the default: tests and the library)
+or, for a served worker, in a process of its own (`EngineProcess`, `process=True`), so that HTTP
+and tokenization never hold the engine's GIL.
 """
 
 from __future__ import annotations
@@ -7,16 +11,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import pickle
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from tokenmill.errors import APIError
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
+from tokenmill.request_limits import check_prompt
+from tokenmill.tokenization import Tokenizer
 from workers.adapters import AdapterProblem, check_adapter_key
 from workers.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from workers.engine.block_manager import BlockRemoved, BlockStored
-from workers.engine.lora import AdapterBusy, AdapterError
+from workers.engine.lora import AdapterBusy, AdapterError, LoraAdapter, load_adapter
+from workers.engine.process import EngineInfo, EngineProcess, EngineState
 
 log = logging.getLogger(__name__)
 
@@ -30,27 +42,78 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class _FetchById:
+    """The engine process's fallback loader (an adapter evicted between `load_adapter` and its
+    request reaching the engine): the storage is searched by id. Picklable when `fetch` is."""
+
+    def __init__(self, fetch: FetchAdapter) -> None:
+        self.fetch = fetch
+
+    def __call__(self, adapter_id: str) -> Path:
+        return self.fetch(adapter_id, None)
+
+
 class EngineGenerator:
-    def __init__(self, config: EngineConfig, fetch_adapter: FetchAdapter | None = None) -> None:
-        # Prefix-cache changes, appended on the engine thread (deque appends are atomic) and
-        # drained by the worker's publisher on the event loop.
+    def __init__(
+        self, config: EngineConfig, fetch_adapter: FetchAdapter | None = None, *, process: bool = False
+    ) -> None:
+        # Prefix-cache changes, appended by the engine (its thread, or the dispatch of its
+        # process's messages; deque appends are atomic) and drained by the worker's publisher.
         self.kv_events: deque[KvOp] = deque()
         self._fetch = fetch_adapter
         self._keys: dict[str, str] = {}  # adapter id -> the storage key it was loaded from
         self._loading: dict[str, asyncio.Future[list[str]]] = {}  # loads in progress, shared
-        self.engine = LLMEngine(
-            config,
-            on_kv_event=self._on_kv_event,
-            adapter_loader=self._fetch_now if fetch_adapter is not None else None,
-        )
-        self.tokenizer = self.engine.tokenizer
         self.model_dir = Path(config.model)
-        self._async = AsyncEngine(self.engine)
         self._ids = itertools.count()
+        self.engine: LLMEngine | None = None
+        self._async: AsyncEngine | EngineProcess
+        if process:
+            self._async = self._proc = EngineProcess(
+                config, adapter_loader=self._process_loader(), on_kv_events=self._on_kv_events
+            )
+            self.info = self._proc.info
+            self.tokenizer = Tokenizer.from_dir(self.info.tokenizer_dir or config.model)
+        else:
+            self.engine = LLMEngine(
+                config,
+                on_kv_event=self._on_kv_event,
+                adapter_loader=self._fetch_now if fetch_adapter is not None else None,
+            )
+            self.tokenizer = self.engine.tokenizer
+            self.info = EngineInfo(
+                model_config=self.engine.model_config,
+                max_model_len=self.engine.max_model_len,
+                block_size=config.block_size,
+                adapters_enabled=self.engine.adapters is not None,
+                tokenizer_dir=config.tokenizer or config.model,
+            )
+            self._async = AsyncEngine(self.engine)
+        self._config = config
+
+    def _process_loader(self) -> _FetchById | None:
+        if self._fetch is None:
+            return None
+        loader = _FetchById(self._fetch)
+        try:
+            pickle.dumps(loader)
+        except Exception:  # e.g. a lambda: requests retry after loading here instead (generate)
+            return None
+        return loader
+
+    @property
+    def _state(self) -> EngineState:
+        """The engine's figures: live on a thread, as of its last step in a process."""
+        if self.engine is not None:
+            return EngineState.of(self.engine)
+        return self._proc.state
 
     def _on_kv_event(self, event: BlockStored | BlockRemoved) -> None:
         op = "stored" if isinstance(event, BlockStored) else "removed"
         self.kv_events.append(KvOp(op, [h.hex() for h in event.hashes]))
+
+    def _on_kv_events(self, events: list[Any]) -> None:
+        for event in events:
+            self._on_kv_event(event)
 
     def drain_kv_events(self) -> list[KvOp]:
         ops = []
@@ -70,28 +133,28 @@ class EngineGenerator:
 
     @property
     def kv_usage(self) -> float:
-        return self.engine.block_manager.usage
+        return self._state.kv_usage
 
     @property
     def prefix_cache_queries(self) -> int:
-        return self.engine.block_manager.queries
+        return self._state.prefix_cache_queries
 
     @property
     def prefix_cache_hits(self) -> int:
-        return self.engine.block_manager.hits
+        return self._state.prefix_cache_hits
 
     @property
     def spec_draft_tokens(self) -> int:
-        return self.engine.stats.spec_draft_tokens
+        return self._state.spec_draft_tokens
 
     @property
     def spec_accepted_tokens(self) -> int:
-        return self.engine.stats.spec_accepted_tokens
+        return self._state.spec_accepted_tokens
 
     @property
     def context_length(self) -> int:
         """Most tokens (prompt + completion) one sequence may hold."""
-        return self.engine.max_model_len
+        return self.info.max_model_len
 
     def close(self) -> None:
         self._async.shutdown()
@@ -101,16 +164,16 @@ class EngineGenerator:
     @property
     def adapters(self) -> list[str]:
         """Loaded adapters (what heartbeats report), least recently used first."""
-        return list(self.engine.adapter_ids)
+        return list(self._state.adapter_ids)
 
     async def load_adapter(self, adapter_id: str, key: str | None = None) -> list[str]:
         """Make an adapter loaded (fetched from storage unless it is); returns the ids evicted
         to make room. AdapterProblem says why not. Concurrent loads of one adapter share one."""
-        if self.engine.adapters is None:
+        if not self.info.adapters_enabled:
             raise AdapterProblem(400, "this worker does not serve adapters", "adapters_disabled")
         if key:
             key = check_adapter_key(adapter_id, key)
-        if adapter_id in self.engine.adapter_ids:
+        if adapter_id in self._state.adapter_ids:
             return []
         pending = self._loading.get(adapter_id)
         if pending is None:
@@ -129,11 +192,11 @@ class EngineGenerator:
             )
         try:
             path = await asyncio.to_thread(self._fetch, adapter_id, key)
-            # Reading the safetensors (and folding the scaling) is the slow part: not on the engine thread.
-            adapter = await asyncio.to_thread(self.engine.read_adapter, path, adapter_id)
+            # Reading the safetensors (and folding the scaling) is the slow part: not on the engine's loop.
+            adapter = await asyncio.to_thread(self._read_adapter, path, adapter_id)
             if key:
                 self._keys[adapter_id] = key
-            evicted = await self._async.call(self.engine.add_adapter, adapter)
+            evicted = await self._call("add_adapter", adapter)
         except AdapterProblem:
             raise
         except AdapterBusy as exc:
@@ -165,9 +228,25 @@ class EngineGenerator:
         assert self._fetch is not None
         return self._fetch(adapter_id, self._keys.get(adapter_id))
 
+    def _read_adapter(self, path: Path, adapter_id: str) -> LoraAdapter:
+        """LLMEngine.read_adapter, without the engine (it may be in another process)."""
+        return load_adapter(
+            path,
+            self.info.model_config,
+            adapter_id=adapter_id,
+            max_rank=self._config.max_lora_rank,
+            dtype=self._config.dtype or torch.float32,
+        )
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        """`engine.<name>(*args)` between two steps, on its thread or in its process."""
+        if self.engine is not None:
+            return await self._async.call(getattr(self.engine, name), *args)  # type: ignore[arg-type]
+        return await self._proc.call(name, *args)
+
     async def unload_adapter(self, adapter_id: str) -> None:
         try:
-            await self._async.call(self.engine.remove_adapter, adapter_id)
+            await self._call("remove_adapter", adapter_id)
         except AdapterBusy as exc:
             raise AdapterProblem(409, str(exc), "adapter_in_use") from exc
         except AdapterError as exc:
@@ -176,19 +255,17 @@ class EngineGenerator:
     # --- requests ----------------------------------------------------------------------------
 
     def validate(self, req: GenerateRequest) -> None:
-        if req.adapter is not None and self.engine.adapters is None:
+        if req.adapter is not None and not self.info.adapters_enabled:
             raise InvalidRequest("this worker does not serve adapters", "adapter")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("prompt_token_ids must not be empty", "prompt_token_ids")
-        vocab = self.engine.model_config.vocab_size
-        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= vocab:
-            raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt_token_ids")
-        if n >= self.engine.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {n} tokens; the context length is {self.engine.max_model_len}",
-                "prompt_token_ids",
+        try:  # the gateway's check again: anything holding the internal token can call a worker
+            check_prompt(
+                req.prompt_token_ids,
+                self.info.max_model_len,
+                param="prompt_token_ids",
+                vocab_size=self.info.model_config.vocab_size,
             )
+        except APIError as exc:
+            raise InvalidRequest(exc.message, exc.param) from exc
         params = self._params(req)
         if params.grammar is not None:
             try:  # compiled without the tokenizer here (cheap); the engine compiles it for real
@@ -203,25 +280,38 @@ class EngineGenerator:
             raise InvalidRequest(str(exc), getattr(exc, "param", None)) from exc
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Deltas of one request; the last carries finish_reason. Closing the iterator aborts."""
+        """Deltas of one request; the last carries finish_reason. Closing the iterator aborts.
+        Outputs that queued up while the caller was busy come out as one delta."""
         params = self._params(req)
-        # The engine's id is ours: a client reusing an id must not collide with (or abort) another.
-        outputs = self._async.generate(
-            f"{req.request_id}#{next(self._ids)}",
-            req.prompt_token_ids,
-            params,
-            cache_salt=req.cache_salt,
-            adapter_id=req.adapter,
-            priority=req.priority,
-            fairness_key=req.fairness_key,
-        )
-        async with aclosing(outputs) as stream:
-            async for out in stream:
-                yield GenerateDelta(
-                    text=out.text,
-                    token_ids=out.token_ids,
-                    finish_reason=out.finish_reason,
-                    prompt_tokens=out.prompt_tokens,
-                    cached_tokens=out.cached_tokens,
-                    completion_tokens=out.completion_tokens,
-                )
+        for attempt in range(2):
+            # The engine's id is ours: a client reusing an id must not collide with (or abort) another.
+            outputs = self._async.generate(
+                f"{req.request_id}#{next(self._ids)}",
+                req.prompt_token_ids,
+                params,
+                coalesce=True,
+                cache_salt=req.cache_salt,
+                adapter_id=req.adapter,
+                priority=req.priority,
+                fairness_key=req.fairness_key,
+            )
+            started = False
+            try:
+                async with aclosing(outputs) as stream:
+                    async for out in stream:
+                        started = True
+                        yield GenerateDelta(
+                            text=out.text,
+                            token_ids=out.token_ids,
+                            finish_reason=out.finish_reason,
+                            prompt_tokens=out.prompt_tokens,
+                            cached_tokens=out.cached_tokens,
+                            completion_tokens=out.completion_tokens,
+                        )
+                return
+            except AdapterError:
+                # An engine process has no loader of its own when the fetcher does not pickle:
+                # an adapter evicted since `load_adapter` is loaded again here, once.
+                if started or attempt or req.adapter is None or self.engine is not None:
+                    raise
+                await self.load_adapter(req.adapter, req.adapter_key)

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from workers.server import Generator, Load, RecentTtft, WorkerInfo, create_app
 
 if TYPE_CHECKING:
     from workers.encoder import EmbedBatcher
+    from workers.engine import EngineConfig
     from workers.generator import EngineGenerator
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,29 @@ class _Identity:
     deployment_id: str | None
     address: str
     model: str
+
+
+def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
+    """The engine a worker runs, from its settings (bench/engine.py builds the same one)."""
+    from workers.engine import EngineConfig
+
+    return EngineConfig(
+        model=str(model_dir),
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        # Unset: the engine's default share of the host's memory (workers/engine/kv_cache.py).
+        kv_cache_gib=settings.kv_cache_gib,
+        enable_prefix_caching=settings.prefix_caching,
+        scheduling=settings.scheduling,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        attention_backend=settings.attention_backend,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+        lora_backend=settings.lora_backend,
+        compile_cache=str(settings.cache_dir),  # the CPU kernel is built once, beside the models
+    )
 
 
 def run_worker(
@@ -147,27 +172,14 @@ def run_worker(
             backend = embedder = EmbedBatcher(Encoder(model_dir))
         else:
             from workers.adapters import AdapterFetcher
-            from workers.engine import EngineConfig
             from workers.generator import EngineGenerator
 
             backend = generator = EngineGenerator(
-                EngineConfig(
-                    model=str(model_dir),
-                    block_size=settings.block_size,
-                    max_num_seqs=settings.max_num_seqs,
-                    max_num_batched_tokens=settings.max_num_batched_tokens,
-                    kv_cache_gib=settings.kv_cache_gib,
-                    enable_prefix_caching=settings.prefix_caching,
-                    scheduling=settings.scheduling,
-                    num_speculative_tokens=settings.num_speculative_tokens,
-                    attention_backend=settings.attention_backend,
-                    max_loras=settings.max_loras,
-                    max_lora_rank=settings.max_lora_rank,
-                    max_cpu_loras=settings.max_cpu_loras,
-                    lora_backend=settings.lora_backend,
-                ),
+                engine_config(settings, model_dir),
                 # Adapters come from the storage the control plane uploaded them to.
                 fetch_adapter=AdapterFetcher(lambda: open_storage(settings), settings.cache_dir),
+                # The engine steps in a process of its own: HTTP never holds its GIL.
+                process=True,
             )
         kind = "embed" if embedder is not None else "generate"
         log.info("loaded %s (%s) from %s in %.1fs", name, kind, model_dir, time.perf_counter() - started)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from autoscaler.leader import RedisLease, SoleLease
 from autoscaler.providers import WorkerSpec
 from autoscaler.reconciler import Reconciler, desired_deployments, policy_config
-from control_plane.models import Deployment, Model
+from control_plane.catalog.models import SUSPENDED, Deployment, Model
 from tokenmill.bus import MemoryBus
 from tokenmill.db import Base, make_engine, make_sessionmaker
 from tokenmill.protocol import DEMAND, WORKERS, Demand, Heartbeat, WorkerDeparture, WorkerEvent
@@ -190,6 +190,34 @@ async def test_stopped_deployments_lose_their_workers(db: async_sessionmaker[Asy
     await rec.tick()
     assert provider.calls[-1] == ("remove", dep)
     assert await provider.managed() == []
+
+
+async def test_a_suspended_organisations_deployment_is_held_at_zero_and_comes_back(
+    db: async_sessionmaker[AsyncSession],
+) -> None:
+    """Suspended (its organisation is): zero replicas whatever the load, its silent workers
+    not replaced; active again, it starts from its minimum as any deployment does."""
+    dep = await _deployment(db, "chat", 2, 3, target_concurrency=1, stable_window_seconds=5)
+    provider = Recorder()
+    rec = _reconciler(db, provider)
+    await rec.tick()
+    assert provider.counts[dep] == 2
+    async with db() as session, session.begin():
+        (await session.get(Deployment, dep)).status = SUSPENDED  # type: ignore[union-attr]
+    assert (await desired_deployments(db))[dep].held
+    rec.table.apply(_beat(dep, "w1", running=9, waiting=9))  # a burst would scale it up
+    rec.table.apply(_beat(dep, "w2"))
+    rec.table.workers["w2"].seen -= 10
+    await rec.tick()
+    assert provider.counts[dep] == 0 and rec.decisions[dep].desired == 0
+    assert rec.decisions[dep].reason == "organisation suspended"
+    assert ("replace", dep, "w2") not in provider.calls
+    async with db() as session, session.begin():
+        (await session.get(Deployment, dep)).status = "active"  # type: ignore[union-attr]
+    rec.table.workers.clear()  # the burst's workers are gone, and its window with them
+    rec.samples.clear()
+    await rec.tick()
+    assert provider.counts[dep] == 2 and not (await desired_deployments(db))[dep].held
 
 
 async def test_a_waiting_request_wakes_a_deployment_at_zero(db: async_sessionmaker[AsyncSession]) -> None:

@@ -24,8 +24,10 @@ from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from billing.models import Price, UsageEvent
-from control_plane.models import Adapter, Deployment, Model, Organization, Worker
-from control_plane.services import ApiKeyService, bootstrap
+from control_plane.bootstrap import bootstrap
+from control_plane.catalog.models import Adapter, Deployment, Model, Worker
+from control_plane.orgs.keys import ApiKeyService
+from control_plane.orgs.models import Organization
 from tokenmill.settings import Settings
 
 MONTH = "2025-01"
@@ -204,7 +206,7 @@ class Api:
 async def admin_api(db_url: str, home: Path, engine: AsyncEngine) -> AsyncIterator[Api]:
     """The admin API (control plane + billing) of `create_app` on a migrated database, with a
     platform admin key, an org admin key of each tenant and a member key of org A."""
-    from tokenmill.cli import Parts, create_app
+    from tokenmill.app import Parts, create_app
     from tokenmill.db import make_sessionmaker
 
     sm = make_sessionmaker(engine)

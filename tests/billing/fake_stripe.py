@@ -1,4 +1,4 @@
-"""A local stand-in for the parts of the Stripe API that `billing/stripe_sync.py` uses.
+"""A local stand-in for the parts of the Stripe API that `billing/stripe/` uses.
 
 It speaks Stripe's wire format so the official SDK talks to it unmodified (only `base_addresses`
 points here): form-encoded request bodies with bracketed nesting (`metadata[org_id]=...`,

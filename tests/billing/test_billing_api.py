@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 import migrations
 from billing.models import Invoice
-from control_plane.models import AuditEntry
+from control_plane.audit.models import AuditEntry
 from tests.billing.billing_world import FEB, JAN, MONTH, Api, add_usage, admin_api, t
 from tokenmill.db import make_engine, utcnow
 

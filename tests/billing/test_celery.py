@@ -37,7 +37,7 @@ from billing.schedule import (
     next_month,
     previous_month,
 )
-from control_plane.models import Organization
+from control_plane.orgs.models import Organization
 from tests.billing.billing_world import JAN, World, add_model_price, add_usage, make_world
 from tests.billing.billing_world import t as wt
 from tests.billing.fake_stripe import API_KEY, FakeStripe
@@ -349,7 +349,7 @@ async def test_serve_app_runs_the_scheduler(tmp_path: Path) -> None:
     """`Parts(scheduler=True)` (what `serve` sets) starts the scheduler with the app and stops it with it."""
     from litestar.testing import AsyncTestClient
 
-    from tokenmill.cli import Parts, create_app
+    from tokenmill.app import Parts, create_app
     from tokenmill.db import make_engine
 
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/tm.db")

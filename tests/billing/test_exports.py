@@ -20,8 +20,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import migrations
+from billing.exports.services import USAGE_COLUMNS, _usage_stmt, export_query, stream_export
 from billing.jobs import build_invoices, rollup_hours
-from billing.services import USAGE_COLUMNS, _usage_stmt, export_query, stream_export
 from tests.billing.billing_world import (
     FEB,
     JAN,

@@ -16,9 +16,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
 
+from billing.common import cents, month_bounds
+from billing.invoices.services import finalize_invoice
 from billing.jobs import build_invoices, finalize_invoices, rollup_hours
 from billing.models import Invoice, UsageEvent
-from billing.services import cents, finalize_invoice, month_bounds
 from tests.billing.billing_world import (
     FEB,
     JAN,

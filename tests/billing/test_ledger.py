@@ -5,8 +5,8 @@ import asyncio
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from billing.ledger.services import UsageConsumer, record_usage
 from billing.models import UsageEvent
-from billing.services import UsageConsumer, record_usage
 from tokenmill.bus import MemoryBus
 from tokenmill.protocol import USAGE, UsageRecord
 

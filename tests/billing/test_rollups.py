@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.jobs import rollup_hours
 from billing.models import UsageRollup
-from billing.services import compute_rollups, spend_since
+from billing.rollups.services import compute_rollups, spend_since
 from tests.billing.billing_world import (
     FEB,
     JAN,

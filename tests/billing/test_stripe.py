@@ -22,17 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import selectinload
 
 from billing.jobs import finalize_invoices, rollup_hours
+from billing.ledger.services import record_usage
 from billing.models import Invoice, StripeInvoiceSync, StripeMeterEvent
-from billing.services import record_usage
-from billing.stripe_sync import (
-    ensure_customers,
-    minor_units,
-    send_meter_events,
-    stripe_client,
-    sync_invoices,
-    sync_stripe,
-)
-from control_plane.models import Organization
+from billing.stripe.client import minor_units, stripe_client
+from billing.stripe.invoicing import ensure_customers, sync_invoices
+from billing.stripe.metering import send_meter_events
+from billing.stripe.services import sync_stripe
+from control_plane.orgs.models import Organization
 from tests.billing.billing_world import (
     FEB,
     JAN,
@@ -488,7 +484,7 @@ def test_amounts_in_the_smallest_currency_unit() -> None:
 
 
 def test_meter_identifiers_are_deterministic_and_short() -> None:
-    from billing.stripe_sync import meter_identifier
+    from billing.stripe.metering import meter_identifier
 
     hour = datetime(2025, 1, 3, 7, tzinfo=UTC)
     first = meter_identifier("org_" + "a" * 20, hour, "m" * 200, "cached_input", 12)

@@ -25,11 +25,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import migrations
 from billing.models import Invoice, StripeInvoiceSync, StripeSuspension, StripeWebhookEvent
-from control_plane.models import Organization
+from control_plane.orgs.models import Organization
 from tests.billing.billing_world import serve
 from tests.billing.fake_stripe import FakeStripe
 from tests.gateway.conftest import Env, gateway_env  # noqa: F401  (the fixture)
-from tokenmill.cli import Parts, create_app
+from tokenmill.app import Parts, create_app
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.protocol import KEYS, KeysChanged
 from tokenmill.settings import Settings

@@ -8,6 +8,8 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +18,18 @@ import pytest
 from litestar import Litestar
 
 import migrations
-from control_plane.services import bootstrap
+from billing.models import Price
+from control_plane.bootstrap import bootstrap
 from tests.gateway.conftest import serve
-from tokenmill.cli import Parts, create_app
-from tokenmill.db import make_engine, make_sessionmaker
+from tokenmill.app import Parts, create_app
+from tokenmill.db import make_engine, make_sessionmaker, utcnow
 from tokenmill.settings import BUNDLED_MODEL, Settings
 from tokenmill.storage import Storage
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET_KEY = "test-secret"
+# A GPU type in the price book from the start: dedicated deployments need a priced one.
+GPU = "L4"
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64, 30 layers.
 SMOL = {"hidden": 576, "intermediate": 1536, "q": 576, "kv": 192, "layers": 30}
@@ -125,6 +130,10 @@ async def make_admin_env(
         context_length=8192,
     )
     assert boot.admin_secret
+    async with make_sessionmaker(engine)() as session, session.begin():
+        session.add(
+            Price(gpu_type=GPU, gpu_hour=Decimal("0.80"), effective_from=utcnow() - timedelta(days=1))
+        )
     app = create_app(settings, engine, Parts(gateway=True, admin=True, internal_bus=True))
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
         yield AdminEnv(client, app, boot.admin_secret, boot.org.id, settings)

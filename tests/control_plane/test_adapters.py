@@ -20,8 +20,9 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlalchemy import func, select
 
-from control_plane.models import Adapter, AuditEntry
-from tests.control_plane.conftest import MODEL, SMOL, AdminEnv, lora_files, make_admin_env
+from control_plane.audit.models import AuditEntry
+from control_plane.catalog.models import Adapter
+from tests.control_plane.conftest import GPU, MODEL, SMOL, AdminEnv, lora_files, make_admin_env
 
 API = "/admin/v1"
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -231,7 +232,7 @@ async def test_adapters_are_their_organisations_own(
     r = await c.post(
         f"{API}/deployments",
         headers=a.headers,
-        json={"name": "a-dep", "model": MODEL, "adapters": [mine["id"]]},
+        json={"name": "a-dep", "model": MODEL, "gpu_type": GPU, "adapters": [mine["id"]]},
     )
     assert r.status_code == 201 and r.json()["adapters"] == [mine["id"]]
     dep = r.json()

@@ -12,8 +12,9 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from control_plane.models import User, Worker
-from tests.control_plane.conftest import MODEL, AdminEnv
+from control_plane.catalog.models import Worker
+from control_plane.orgs.models import User
+from tests.control_plane.conftest import GPU, MODEL, AdminEnv
 
 API = "/admin/v1"
 
@@ -94,7 +95,11 @@ async def test_another_organisations_resources_are_404(admin_env: AdminEnv) -> N
     ).json()
     key = (await c.post(f"{API}/organizations/{b.id}/keys", headers=b.headers, json={"name": "b-key"})).json()
     dep = (
-        await c.post(f"{API}/deployments", headers=b.headers, json={"name": "b-dedicated", "model": MODEL})
+        await c.post(
+            f"{API}/deployments",
+            headers=b.headers,
+            json={"name": "b-dedicated", "model": MODEL, "gpu_type": GPU},
+        )
     ).json()
     assert dep["org_id"] == b.id  # an org admin's dedicated deployment is its organisation's
     for method, path, body in [
@@ -168,7 +173,7 @@ async def test_users_lifecycle(admin_env: AdminEnv) -> None:
 
 async def test_user_passwords_verify_for_the_dashboard_login(admin_env: AdminEnv) -> None:
     """What the dashboard's login (issue 8) will call: argon2 verification, disabled users refused."""
-    from control_plane.services import UserService
+    from control_plane.orgs.services import UserService
 
     a = await admin_env.org("org-a")
     body = {"email": "ada@a.io", "password": "correct horse battery"}
@@ -493,7 +498,7 @@ async def test_dedicated_deployments(admin_env: AdminEnv) -> None:
     a = await admin_env.org("org-a")
     c = admin_env.client
     key = (await admin_env.member_key(a.id))["secret"]
-    body = {"name": "a-private", "model": MODEL, "gpu_type": "H100", "min_replicas": 0, "max_replicas": 3}
+    body = {"name": "a-private", "model": MODEL, "gpu_type": GPU, "min_replicas": 0, "max_replicas": 3}
     r = await c.post(f"{API}/deployments", headers=a.headers, json=body)
     assert r.status_code == 201, r.text
     dep = r.json()
@@ -530,7 +535,9 @@ async def test_dedicated_deployments(admin_env: AdminEnv) -> None:
         )
     error(await c.delete(f"{API}/deployments/{dep['id']}", headers=a.headers), 409)
     never_ran = (
-        await c.post(f"{API}/deployments", headers=a.headers, json={"name": "a-2", "model": MODEL})
+        await c.post(
+            f"{API}/deployments", headers=a.headers, json={"name": "a-2", "model": MODEL, "gpu_type": GPU}
+        )
     ).json()
     assert (await c.delete(f"{API}/deployments/{never_ran['id']}", headers=a.headers)).status_code == 204
 

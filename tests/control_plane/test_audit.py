@@ -10,9 +10,10 @@ from typing import Any
 
 from sqlalchemy import select
 
-from control_plane.models import ApiKey, AuditEntry, Organization, User
-from control_plane.services import snapshot
-from tests.control_plane.conftest import MODEL, AdminEnv
+from control_plane.audit.models import AuditEntry
+from control_plane.audit.services import snapshot
+from control_plane.orgs.models import ApiKey, Organization, User
+from tests.control_plane.conftest import GPU, MODEL, AdminEnv
 
 API = "/admin/v1"
 
@@ -81,7 +82,13 @@ async def test_a_journey_is_audited_without_secrets(
         await c.post(
             f"{API}/deployments",
             headers=h,
-            json={"name": "acme-dep", "model": MODEL, "org_id": org["id"], "adapters": [adapter["id"]]},
+            json={
+                "name": "acme-dep",
+                "model": MODEL,
+                "gpu_type": GPU,
+                "org_id": org["id"],
+                "adapters": [adapter["id"]],
+            },
         )
     ).json()
     await c.patch(f"{API}/deployments/{dep['id']}", headers=h, json={"adapters": [], "status": "stopped"})

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from billing.models import Invoice
-from tests.control_plane.conftest import MODEL, AdminEnv
+from tests.control_plane.conftest import GPU, MODEL, AdminEnv
 
 API = "/admin/v1"
 
@@ -181,7 +181,7 @@ async def make_world(env: AdminEnv, adapter_files: dict[str, bytes]) -> World:
     r = await c.post(
         f"{API}/deployments",
         headers=b.headers,
-        json={"name": "b-dedicated", "model": MODEL, "adapters": [adapter["id"]]},
+        json={"name": "b-dedicated", "model": MODEL, "gpu_type": GPU, "adapters": [adapter["id"]]},
     )
     assert r.status_code == 201, r.text
     dep = r.json()
@@ -350,7 +350,11 @@ async def test_bad_input_is_a_4xx_saying_what_is_wrong(
     ).json()
     key = (await c.post(f"{API}/organizations/{org}/keys", headers=root, json={"name": "k"})).json()
     dep = (
-        await c.post(f"{API}/deployments", headers=root, json={"name": "d1", "model": MODEL, "org_id": org})
+        await c.post(
+            f"{API}/deployments",
+            headers=root,
+            json={"name": "d1", "model": MODEL, "org_id": org, "gpu_type": GPU},
+        )
     ).json()
     plan = (await c.post(f"{API}/plans", headers=root, json={"name": "p1"})).json()
     model = (await c.get(f"{API}/models/{MODEL}", headers=root)).json()

@@ -8,15 +8,14 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.models import ApiKey, Worker
-from control_plane.services import (
-    ApiKeyService,
-    CatalogService,
-    OrganizationService,
-    WorkerLifetimes,
-    authenticate,
-    bootstrap,
-)
+from control_plane.bootstrap import bootstrap
+from control_plane.catalog.lifetimes import WorkerLifetimes
+from control_plane.catalog.models import Worker
+from control_plane.catalog.services import CatalogService
+from control_plane.orgs.keys import ApiKeyService, authenticate
+from control_plane.orgs.models import ApiKey
+from control_plane.orgs.services import OrganizationService
+from control_plane.policy import Principal
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
 from tokenmill.protocol import Heartbeat, WorkerAnnounce, WorkerDeparture
@@ -84,7 +83,7 @@ async def test_revoke_is_confined_to_the_tenant(migrated_db: async_sessionmaker[
     async with migrated_db() as s, s.begin():
         other = await OrganizationService(session=s).create_org("globex")
         with pytest.raises(APIError) as err:
-            await ApiKeyService(session=s).revoke(secret[:11], org_id=other.id)
+            await ApiKeyService(session=s).revoke(secret[:11], actor=Principal("org_admin", other.id))
     assert err.value.status == 404
 
 

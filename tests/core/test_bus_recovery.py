@@ -30,8 +30,8 @@ from redis.asyncio import Redis
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from billing.ledger.services import UsageConsumer, record_usage
 from billing.models import UsageEvent
-from billing.services import UsageConsumer, record_usage
 from tests.conftest import _start_redis, _stop_process
 from tokenmill import bus as bus_module
 from tokenmill.bus import DEFAULT_MAXLEN, RedisBus

@@ -79,14 +79,14 @@ async def test_a_worker_publishes_with_its_own_token() -> None:
 
 
 def test_local_workers_get_the_worker_token_and_not_the_internal_one(tmp_path: Path) -> None:
-    from tokenmill.cli import _local_worker_env
+    from tokenmill.app import local_worker_env
 
     settings = Settings(home=tmp_path, internal_token=INTERNAL, worker_token=WORKER, redis_url=None)
-    env = _local_worker_env(settings)
+    env = local_worker_env(settings)
     assert env["TOKENMILL_WORKER_TOKEN"] == WORKER
     assert env["TOKENMILL_INTERNAL_TOKEN"] == ""  # overrides an inherited one
     alone = Settings(home=tmp_path, internal_token=INTERNAL, redis_url=None)
-    env = _local_worker_env(alone)
+    env = local_worker_env(alone)
     assert env["TOKENMILL_WORKER_TOKEN"] == env["TOKENMILL_INTERNAL_TOKEN"] == INTERNAL
 
 

@@ -246,6 +246,8 @@ def test_key_usage_csv_and_revoke(server: Server, tenant: dict[str, str], browse
 def test_create_and_scale_a_dedicated_deployment(
     server: Server, tenant: dict[str, str], browser: Any
 ) -> None:
+    # a dedicated deployment's GPU type must be in the price book
+    check(server.admin().post("/prices/gpus", json={"gpu_type": "cpu-test", "per_hour": "0.10"}), 201)
     page = sign_in(browser, server, "admin@acme.test")
     page.get_by_role("link", name="Deployments").click()
     form = page.locator("#new-deployment")

@@ -17,8 +17,12 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from billing.services import PriceBook, build_invoice_drafts, month_bounds, record_usage, store_rollups
-from tests.control_plane.conftest import MODEL, AdminEnv, lora_files
+from billing.common import month_bounds
+from billing.invoices.services import build_invoice_drafts
+from billing.ledger.services import record_usage
+from billing.prices.services import PriceBook
+from billing.rollups.services import store_rollups
+from tests.control_plane.conftest import GPU, MODEL, AdminEnv, lora_files
 from tests.dashboard.conftest import Session, add_user, sign_in
 from tokenmill.protocol import WORKERS, Heartbeat, UsageRecord
 
@@ -43,7 +47,13 @@ async def _tenant(env: AdminEnv, name: str, shared_dep: str) -> dict[str, Any]:
     )
     assert r.status_code == 201, r.text
     adapter = r.json()
-    body = {"name": f"{name}-dedicated", "model": MODEL, "org_id": org["id"], "min_replicas": 0}
+    body = {
+        "name": f"{name}-dedicated",
+        "model": MODEL,
+        "org_id": org["id"],
+        "gpu_type": GPU,
+        "min_replicas": 0,
+    }
     dep = (await c.post(f"{API}/deployments", headers=root, json=body)).json()
     # usage: on the shared model (priced, so rollups and an invoice follow) and the dedicated one
     start = month_bounds(datetime.now(UTC))[0].timestamp()

@@ -15,10 +15,14 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.services import PriceBook, build_invoice_drafts, month_bounds, record_usage, store_rollups
+from billing.common import month_bounds
+from billing.invoices.services import build_invoice_drafts
+from billing.ledger.services import record_usage
+from billing.prices.services import PriceBook
+from billing.rollups.services import store_rollups
 from dashboard import charts
 from dashboard.services import DAY, HOUR, UsageFilter, usage_series, window
-from tests.control_plane.conftest import MODEL, AdminEnv, lora_files
+from tests.control_plane.conftest import GPU, MODEL, AdminEnv, lora_files
 from tests.dashboard.conftest import Session, add_user, csrf_of, sign_in
 from tokenmill.errors import APIError
 from tokenmill.protocol import UsageRecord
@@ -182,7 +186,14 @@ async def test_dedicated_deployment_forms(env: AdminEnv) -> None:
     s = await _root(env)
     r = await s.post(
         "/deployments",
-        {"name": "mine", "model": MODEL, "org": env.default_org, "min_replicas": "0", "max_replicas": "2"},
+        {
+            "name": "mine",
+            "model": MODEL,
+            "org": env.default_org,
+            "gpu_type": GPU,
+            "min_replicas": "0",
+            "max_replicas": "2",
+        },
     )
     assert r.status_code == 303 and re.fullmatch(r"/dashboard/deployments/dep_\w+", r.headers["location"])
     dep_id = r.headers["location"].rsplit("/", 1)[1]
@@ -197,6 +208,11 @@ async def test_dedicated_deployment_forms(env: AdminEnv) -> None:
     assert _flash(text) == "ok: Updated mine: 0 to 4 replicas, stopped."
     text = await _follow(s, await s.post("/deployments", {"name": "bad name!", "model": MODEL}))
     assert _flash(text).startswith("error: Invalid value")
+    # the admin API's rules: a GPU type from the price book
+    text = await _follow(
+        s, await s.post("/deployments", {"name": "free", "model": MODEL, "org": env.default_org})
+    )
+    assert _flash(text).startswith("error: A dedicated deployment needs a gpu_type from the price book")
     await s.client.aclose()
 
 

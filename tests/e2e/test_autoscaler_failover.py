@@ -19,7 +19,7 @@ import redis
 from sqlalchemy import update
 
 import migrations
-from control_plane.models import Deployment, Model
+from control_plane.catalog.models import Deployment, Model
 from tests.autoscaler.fake_kubernetes import FakeKubernetes
 from tokenmill.db import make_engine, make_sessionmaker
 

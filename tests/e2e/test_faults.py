@@ -40,8 +40,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import migrations
 from billing.models import UsageEvent
-from control_plane.models import Worker
-from control_plane.services import bootstrap
+from control_plane.bootstrap import bootstrap
+from control_plane.catalog.models import Worker
 from tests.e2e.test_gateway_replicas import RedisServer, _free_port
 from tests.e2e.test_serve import Server, start_server
 from tokenmill.db import make_engine, make_sessionmaker

@@ -35,10 +35,13 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import migrations
+from billing.ledger.services import UsageConsumer
 from billing.models import Price, UsageEvent
-from billing.services import UsageConsumer
-from control_plane.models import ApiKey, Organization, Plan
-from control_plane.services import ApiKeyService, OrganizationService, bootstrap
+from control_plane.bootstrap import bootstrap
+from control_plane.orgs.keys import ApiKeyService
+from control_plane.orgs.models import ApiKey, Organization
+from control_plane.orgs.services import OrganizationService
+from control_plane.plans.models import Plan
 from tokenmill.bus import RedisBus
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.settings import BUNDLED_MODEL

@@ -307,6 +307,44 @@ def test_admin_cli_key_works_against_the_running_server(server: Server) -> None:
             time.sleep(0.05)
 
 
+def test_admin_cli_suspends_and_resumes_an_organisation_on_the_running_server(server: Server) -> None:
+    """The CLI commits, then tells the server's gateway on its bus: a suspended organisation's
+    key is refused within a second, and works again as soon as it is resumed."""
+
+    def admin(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "tokenmill.cli", "admin", *args],
+            env=server.env, capture_output=True, text=True, timeout=120, check=True,
+        ).stdout  # fmt: skip
+
+    admin("create-org", "cli-org")
+    key = admin("create-key", "--org", "cli-org").strip().splitlines()[-1]
+    assert MODEL in [m.id for m in server.client(key).models.list()]
+
+    def refused_within_a_second() -> bool:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                server.client(key).models.list()
+            except openai.PermissionDeniedError as exc:
+                return exc.body["code"] == "organization_suspended"  # type: ignore[index]
+            time.sleep(0.05)
+        return False
+
+    assert admin("suspend-org", "cli-org").strip() == "suspended cli-org"
+    assert refused_within_a_second()
+    assert admin("resume-org", "cli-org").strip() == "resumed cli-org"
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            assert MODEL in [m.id for m in server.client(key).models.list()]
+            break
+        except openai.PermissionDeniedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_sigterm_stops_everything(server: Server) -> None:
     """Runs last in this module: stops the shared server and checks for orphans."""
     children = stop(server)

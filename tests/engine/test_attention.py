@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from workers.engine.attention import AttentionMetadata, TorchAttention, select_backend, store_kv
+from workers.engine.attention import (
+    KERNEL_MAX_QUERY,
+    AttentionMetadata,
+    CpuAttention,
+    TorchAttention,
+    select_backend,
+    store_kv,
+)
 
 HEAD_DIM = 32
 
@@ -182,7 +189,65 @@ def test_store_kv_skips_minus_one() -> None:
 
 
 def test_select_backend() -> None:
-    assert isinstance(select_backend("cpu"), TorchAttention)
-    assert isinstance(select_backend(torch.device("cpu"), "torch"), TorchAttention)
+    # The machines here have a C compiler: the default CPU backend is the kernel's.
+    assert type(select_backend("cpu")) is CpuAttention
+    assert type(select_backend(torch.device("cpu"), "torch")) is TorchAttention
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("cpu", "flash")
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert type(select_backend("cpu")) is TorchAttention
+
+
+# --- the CPU kernel (workers/engine/csrc/paged_attention.c) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel() -> CpuAttention:
+    backend = select_backend("cpu")
+    assert isinstance(backend, CpuAttention), "the C kernel did not build"
+    return backend
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2), (12, 1)], ids=["gqa1", "gqa3", "gqa4", "mqa"])
+def test_kernel_mixed_batches_match_dense_reference(
+    kernel: CpuAttention, block_size: int, heads: tuple[int, int]
+) -> None:
+    """Decodes, short multi-token queries (verified drafts) and prefill chunks in one step: the
+    kernel takes the short ones, SDPA the rest; both exact against the dense reference."""
+    rng = random.Random(block_size * 1000 + heads[0])
+    for trial in range(8):
+        torch.manual_seed(trial)
+        shapes = random_shapes(rng, rng.randint(1, 6))
+        shapes += [(rng.randint(0, 300), rng.randint(1, KERNEL_MAX_QUERY)) for _ in range(3)]
+        rng.shuffle(shapes)
+        case = make_case(rng, shapes, *heads, block_size, padding_seq=trial % 2 == 1)
+        check(case, kernel, atol=1e-5)
+
+
+def test_kernel_equals_plain_path(kernel: CpuAttention) -> None:
+    """The kernel against TorchAttention (the plain path) on a decode batch like the served one:
+    64 sequences of 1..900 tokens, SmolLM2's heads (9 query, 3 kv, head_dim 32 here)."""
+    rng = random.Random(5)
+    shapes = [(rng.randint(0, 900), 1) for _ in range(64)]
+    case = make_case(rng, shapes, 9, 3, 16)
+    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, HEAD_DIM**-0.5)
+    fast = kernel.forward(*args)
+    plain = TorchAttention().forward(*args)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+    check(case, kernel, atol=1e-5)
+
+
+def test_kernel_declines_what_it_does_not_cover(kernel: CpuAttention) -> None:
+    """Half precision and head groups beyond the kernel's limits take the PyTorch path."""
+    rng = random.Random(13)
+    check(make_case(rng, [(30, 1), (0, 12), (200, 1)], 6, 2, 16, dtype=torch.bfloat16), kernel, atol=2e-2)
+    check(make_case(rng, [(30, 1), (0, 12), (70, 1)], 34, 1, 16), kernel, atol=1e-5)  # group 34 > 16

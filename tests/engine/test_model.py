@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tokenmill.modelstore import bundled_path, resolve_model
-from workers.engine.attention import TorchAttention
+from workers.engine.attention import CpuAttention, TorchAttention, select_backend
 from workers.engine.config import ModelConfig
 from workers.engine.kv_cache import allocate_kv_cache, block_bytes, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model, unpermute_qk
@@ -94,9 +94,24 @@ def prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: TinyModel) -> tuple[TinyModel, LlamaForCausalLM, ModelConfig]:
-    model, cfg = load_model(tiny_model.path)
+def _cpu_ops_model(path: Path) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The CPU fast path: the C attention kernel and the fused elementwise C ops."""
+    backend = select_backend("cpu")
+    assert isinstance(backend, CpuAttention), "the CPU kernels did not build"
+    model, cfg = load_model(path, backend=backend)
+    model.use_cpu_ops(backend.lib)
+    return model, cfg
+
+
+# Every test against HF runs twice: the plain PyTorch path (the reference) and the CPU one.
+@pytest.fixture(scope="module", params=["plain", "cpu-ops"])
+def loaded(
+    tiny_model: TinyModel, request: pytest.FixtureRequest
+) -> tuple[TinyModel, LlamaForCausalLM, ModelConfig]:
+    if request.param == "plain":
+        model, cfg = load_model(tiny_model.path, backend=TorchAttention())
+    else:
+        model, cfg = _cpu_ops_model(tiny_model.path)
     return tiny_model, model, cfg
 
 
@@ -361,12 +376,16 @@ def smollm2(model_cache: Path) -> SmolLM2:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     refs = hf_greedy(hf, prompts, MAX_NEW)
     del hf
-    ours = {"gguf": load_model(bundled_path("smollm2")), "hf-dir": load_model(hf_dir)}
+    ours = {
+        "gguf": load_model(bundled_path("smollm2"), backend=TorchAttention()),
+        "hf-dir": load_model(hf_dir, backend=TorchAttention()),
+        "hf-dir-cpu-ops": _cpu_ops_model(hf_dir),
+    }
     return SmolLM2(hf_dir, prompts, refs, ours)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["gguf", "hf-dir"])
+@pytest.mark.parametrize("source", ["gguf", "hf-dir", "hf-dir-cpu-ops"])
 def test_smollm2_greedy_matches_hf(smollm2: SmolLM2, source: str) -> None:
     model, cfg = smollm2.ours[source]
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 9, 3, 49152)

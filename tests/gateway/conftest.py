@@ -23,9 +23,10 @@ from litestar.response import Stream
 from sqlalchemy import select
 
 import migrations
-from control_plane.models import Deployment, Model
-from control_plane.services import CatalogService, bootstrap
-from tokenmill.cli import Parts, create_app
+from control_plane.bootstrap import bootstrap
+from control_plane.catalog.models import Deployment, Model
+from control_plane.catalog.services import CatalogService
+from tokenmill.app import Parts, create_app
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.protocol import (
     WORKERS,

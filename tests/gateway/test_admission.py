@@ -16,8 +16,11 @@ from litestar import Litestar, Response, post
 from sqlalchemy import select, update
 
 from billing.models import Price
-from control_plane.models import Adapter, ApiKey, Organization, Plan
-from control_plane.services import ApiKeyService, OrganizationService
+from control_plane.catalog.models import Adapter
+from control_plane.orgs.keys import ApiKeyService
+from control_plane.orgs.models import ApiKey, Organization
+from control_plane.orgs.services import OrganizationService
+from control_plane.plans.models import Plan
 from gateway.admission import _duration, units
 from tests.gateway.conftest import Env, serve
 from tests.gateway.test_api import HELLO, MODEL, ledger, sdk

@@ -162,6 +162,39 @@ async def test_the_limiter_fails_open_only_on_outage_errors(
     assert (await post(gateway_env, key, chat())).status_code == 500
 
 
+async def test_prompts_are_held_to_the_context_before_and_after_tokenizing(
+    gateway_env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rule (prompt + max_tokens within the context, ids within the vocabulary) for a
+    text on its lower bound before tokenizing, on its tokens after, and on token ids sent."""
+    worker = await gateway_env.add_worker()
+    key = await new_key(gateway_env)
+    completion = {"model": MODEL, "max_tokens": 2}
+    # token ids as sent: served when they fit with max_tokens, refused (no worker call) when not
+    assert (await post(gateway_env, key, {**completion, "prompt": [5] * 8190}, "/v1/completions")).is_success
+    assert worker.received[-1].prompt_token_ids == [5] * 8190
+    for prompt, code in (([5] * 8191, "context_length_exceeded"), ([5, 49152], None), ([5, "x"], None)):
+        r = await post(gateway_env, key, {**completion, "prompt": prompt}, "/v1/completions")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["code"] == code, r.text
+    # a text whose lower bound already leaves no room for max_tokens is never tokenized
+    gateway = gateway_env.app.state.gateway
+    caller = await gateway.authenticate(f"Bearer {key}")
+    tok = await gateway.tokenizer(await gateway.resolve(caller, MODEL))
+    assert tok.max_token_chars and tok.vocab_size == 49152
+    text = "x" * (tok.max_token_chars * 8000)
+    assert tok.min_tokens(text) == 8000
+
+    def never(*_: object, **__: object) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(tok, "encode", never)
+    r = await post(gateway_env, key, {**completion, "prompt": text, "max_tokens": 500}, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "at least 8000 prompt tokens plus 500 completion tokens" in r.json()["error"]["message"]
+    assert len(worker.received) == 1
+
+
 # --- the pieces ------------------------------------------------------------------------------
 
 
@@ -238,7 +271,7 @@ async def test_a_request_cancelled_during_admission_gives_its_slot_back(
 
     monkeypatch.setattr(limiter, "admit", slow)
     body = ChatCompletionRequest(model=MODEL, messages=[ChatMessage(role="user", content="hi")], max_tokens=2)
-    task = asyncio.create_task(gateway.admit_generation(caller, "req_cancelled", body))
+    task = asyncio.create_task(gateway.admit(caller, "req_cancelled", body))
     await entered.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -248,5 +281,40 @@ async def test_a_request_cancelled_during_admission_gives_its_slot_back(
         if not any(limiter._slots.values()):
             break
         await asyncio.sleep(0.02)
-    admitted = await gateway.admit_generation(caller, "req_next", body)
+    admitted = await gateway.admit(caller, "req_next", body)
     await gateway.admitter.settle(admitted.ticket, 0, 0, 0)
+
+
+def test_one_rule_decides_whether_a_prompt_fits() -> None:
+    from tokenmill.errors import APIError
+    from tokenmill.request_limits import check_prompt, check_prompt_length
+
+    def refusal(check: object, *args: object, **kwargs: object) -> APIError:
+        with pytest.raises(APIError) as err:
+            check(*args, **kwargs)  # type: ignore[operator]
+        assert err.value.status == 400 and err.value.param == "p"
+        return err.value
+
+    # a completion needs room for max_tokens, or for one token when it is left out
+    check_prompt_length(90, 100, param="p", max_tokens=10)
+    check_prompt_length(99, 100, param="p")
+    e = refusal(check_prompt_length, 91, 100, param="p", max_tokens=10)
+    assert e.code == "context_length_exceeded"
+    assert e.message.endswith("requested 91 prompt tokens plus 10 completion tokens.")
+    assert refusal(check_prompt_length, 100, 100, param="p").code == "context_length_exceeded"
+    # an encoder's input only has to fit
+    check_prompt_length(100, 100, param="p", completion=False)
+    e = refusal(
+        check_prompt_length, 101, 100, param="p", completion=False, at_least=True, what="tokens in input 2"
+    )
+    assert e.message.endswith("requested at least 101 tokens in input 2.")
+    # token ids: none, too many (before looking at each), or not of the vocabulary
+    check_prompt([0, 9], 100, param="p", vocab_size=10)
+    assert refusal(check_prompt, [], 100, param="p").message == "The prompt must not be empty."
+    assert refusal(check_prompt, ["x"] * 101, 100, param="p", vocab_size=10).code == "context_length_exceeded"
+    check_prompt([8, 9], 100, param="p", extra=98, completion=False)  # e.g. an encoder's special tokens
+    e = refusal(check_prompt, [8, 9], 100, param="p", extra=99, completion=False)
+    assert e.code == "context_length_exceeded" and "requested 101 prompt tokens" in e.message
+    for bad in ([0, 10], [-1, 0], [0, "x"], ["x"]):
+        e = refusal(check_prompt, bad, 100, param="p", vocab_size=10, name="Input 3")
+        assert e.message == "Input 3 must be token ids in [0, 10).", bad

@@ -384,8 +384,10 @@ async def make_sandbox(env: Env) -> Sandbox:
     user = await made(f"/organizations/{org}/users", {"email": "fuzz@example.com", "password": "x" * 12})
     plan = await made("/plans", {"name": "fuzz-plan", "requests_per_minute": 60})
     model = await made("/models", {"name": "fuzz-model", "source": BUNDLED_MODEL, "format": "gguf"})
+    await made("/prices/gpus", {"gpu_type": "fuzz-gpu", "per_hour": "1"})  # dedicated ones need a price
     dep = await made(
-        "/deployments", {"name": "fuzz-dedicated", "model": model["id"], "org_id": org, "type": "dedicated"}
+        "/deployments",
+        {"name": "fuzz-dedicated", "model": model["id"], "org_id": org, "gpu_type": "fuzz-gpu"},
     )
     files = lora_files(rank=1, layers=2)
     r = await c.post(

@@ -74,15 +74,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return World(model, hf, refs, storage)
 
 
-def _generator(world: World, cache: Path, **lora: Any) -> EngineGenerator:
+def _generator(world: World, cache: Path, process: bool = False, **lora: Any) -> EngineGenerator:
     options = {"max_loras": 1, "max_lora_rank": 8, "max_cpu_loras": 2} | lora
     config = EngineConfig(model=str(world.model), num_blocks=32, **options)
-    return EngineGenerator(config, fetch_adapter=AdapterFetcher(lambda: LocalStorage(world.storage), cache))
+    return EngineGenerator(
+        config, fetch_adapter=AdapterFetcher(lambda: LocalStorage(world.storage), cache), process=process
+    )
 
 
-@pytest.fixture
-def generator(world: World, tmp_path: Path) -> Iterator[EngineGenerator]:
-    gen = _generator(world, tmp_path)
+# The engine on a thread (the library's way) and in a process of its own (a served worker's):
+# adapters are read here and handed over either way.
+@pytest.fixture(params=[False, True], ids=["thread", "process"])
+def generator(world: World, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[EngineGenerator]:
+    gen = _generator(world, tmp_path, process=request.param)
     yield gen
     gen.close()
 
@@ -218,3 +222,20 @@ async def test_heartbeats_list_loaded_adapters(generator: EngineGenerator) -> No
         beat.cancel()
     beats = [e for e in recorder.events if isinstance(e, Heartbeat)]
     assert beats and beats[0].adapters == ["ad_b"]
+
+
+async def test_request_for_an_unloaded_adapter_loads_it(generator: EngineGenerator, world: World) -> None:
+    """An adapter evicted between the server's `load_adapter` and the request reaching the
+    engine: on a thread the engine fetches it itself; an engine process (whose fetcher here does
+    not pickle) refuses it, and the generator loads it and sends the request again."""
+    req = GenerateRequest(
+        request_id="r",
+        prompt_token_ids=PROMPT,
+        sampling=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        adapter="ad_a",
+        adapter_key=f"adapters/{ORG}/ad_a/",
+    )
+    assert generator.adapters == []
+    deltas = [d async for d in generator.generate(req)]
+    assert [t for d in deltas for t in d.token_ids] == hf_greedy(world.refs["ad_a"].merged, PROMPT, 4)[0]
+    assert generator.adapters == ["ad_a"]

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.engine import LLMEngine, Output
+from workers.engine.engine import LLMEngine, Output, take_queued
 from workers.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,20 +62,31 @@ class AsyncEngine:
         return self.engine.scheduler.num_waiting + self._inbox.qsize()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        coalesce: bool = False,
+        **kwargs: Any,
     ) -> AsyncIterator[Output]:
-        """Outputs of one request until all its samples finish; closing the iterator aborts it."""
+        """Outputs of one request until all its samples finish; closing the iterator aborts it.
+        With `coalesce`, outputs of a sample that queued up meanwhile come merged into one."""
         outbox: asyncio.Queue[Output | BaseException] = asyncio.Queue()
         self._inbox.put(
             _Add(request_id, prompt_token_ids, params, kwargs, asyncio.get_running_loop(), outbox)
         )
         remaining = params.n
+        held: BaseException | None = None  # met while coalescing: raised after that output
         try:
             while remaining:
-                item = await outbox.get()
+                item = held or await outbox.get()
+                held = None
                 if isinstance(item, BaseException):
                     remaining = 0  # refused or failed: nothing of ours is left to abort
                     raise item
+                if coalesce and params.n == 1:
+                    item, held = take_queued(item, outbox)
                 if item.finish_reason is not None:
                     remaining -= 1
                 yield item

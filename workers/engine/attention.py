@@ -74,9 +74,10 @@ class TorchAttention:
 
     Decoding sequences (q_len 1, the hot loop) are batched: sorted by context length into a
     few groups, each gathered block-wise into one padded tensor and run through SDPA with a
-    length mask. Prefill chunks run one sequence at a time through SDPA with a causal mask
-    offset by the cached context. Everything is read back from the cache after the store, so
-    a token stored at slot -1 is not seen (as in the Triton kernels).
+    length mask. Prefill chunks run one sequence at a time through SDPA: a whole prompt on its
+    own k/v with the causal mask, a chunk after cached context on the context read back from
+    the cache, with the causal mask offset by it (there a token stored at slot -1 is not seen,
+    as in the Triton kernels).
     """
 
     def __init__(self) -> None:
@@ -110,8 +111,9 @@ class TorchAttention:
         for group in plan.decodes:
             out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, scale)
         for s, start, q_len, seq_len in plan.prefills:
-            out[start : start + q_len] = _prefill(
-                q[start : start + q_len], k_cache, v_cache, meta.block_tables[s], seq_len, scale
+            rows = slice(start, start + q_len)
+            out[rows] = _prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, meta.block_tables[s], seq_len, scale
             )
         return out
 
@@ -194,28 +196,154 @@ def _split(lens: list[int]) -> list[int]:
 
 
 def _prefill(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int, scale: float
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_len: int,
+    scale: float,
 ) -> Tensor:
-    """q_len queries (the last q_len positions of a seq_len context) of one sequence."""
+    """q_len queries (the last q_len positions of a seq_len context) of one sequence; k_new,
+    v_new are their own keys and values (just stored in the cache)."""
     q_len = q.shape[0]
+    if q_len == seq_len:  # a whole prompt: its context is its own k/v, no need to read the cache
+        return _sdpa_gqa(q, k_new, v_new, None, scale)
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvh, seq_len, d]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-    if q_len == seq_len:  # no cached context: the plain causal mask
-        mask = None
-    else:  # query i sits at position seq_len - q_len + i and sees keys 0..that position
-        pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kvh, d]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+    pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+    return _sdpa_gqa(q, k, v, mask, scale)
 
 
-def select_backend(device: str | torch.device, override: str | None = None) -> AttentionBackend:
-    """Triton on CUDA, PyTorch elsewhere; `override` ("torch" / "triton") forces one."""
-    name = override or ("triton" if torch.device(device).type == "cuda" else "torch")
+def _sdpa_gqa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Causal SDPA of q [Lq, H, d] over k, v [Lk, KVH, d] (mask [Lq, Lk], None = plain causal).
+
+    The query heads sharing a kv head become the head dimension of a batch over kv heads, and
+    k/v are broadcast to them with stride 0: no copy, and the CPU's flash kernel takes it. With
+    `enable_gqa=True` instead, SDPA on the CPU repeats k/v and falls back to its math path
+    (measured 4-10x slower on SmolLM2's prompts)."""
+    lq, heads, d = q.shape
+    lk, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    qq = q.view(lq, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, Lq, d]
+    kk = k.permute(1, 0, 2)[:, None].expand(kv_heads, group, lk, d)
+    vv = v.permute(1, 0, 2)[:, None].expand(kv_heads, group, lk, d)
+    out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(lq, heads, d)
+
+
+# Sequences with at most this many new tokens (decodes, verified drafts) go to the CPU kernel,
+# which walks the context once per query; longer prefill chunks are matmul-shaped: SDPA.
+KERNEL_MAX_QUERY = 8
+
+
+class CpuAttention(TorchAttention):
+    """The CPU path: short queries through a C kernel (workers/engine/csrc) that reads every
+    key and value row in place in the paged cache, one pass, no gather, no padding to the
+    longest context; prefill chunks through SDPA as in TorchAttention."""
+
+    def __init__(self, lib: object) -> None:
+        super().__init__()
+        self.lib = lib  # also the model's fused elementwise ops (LlamaForCausalLM.use_cpu_ops)
+        self._lib = lib
+        self._checked: tuple[int, ...] = ()
+        # This step's split (planned once per metadata object, apart from the parent's plan,
+        # which the fallback path keeps using): kernel rows and SDPA prefills.
+        self._kmeta: AttentionMetadata | None = None
+        self._rows: Tensor | None = None  # int32 query rows for the kernel; None = every row
+        self._row_seq = torch.empty(0, dtype=torch.int32)
+        self._prefills: list[tuple[int, int, int, int]] = []
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        from workers.engine import cpu_kernels
+
+        shape = (q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
+        if (
+            q.dtype != torch.float32
+            or k_cache.dtype != torch.float32
+            or q.device.type != "cpu"
+            or (shape != self._checked and not cpu_kernels.supports(self._lib, *shape))  # type: ignore[arg-type]
+        ):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        self._checked = shape
+        if k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]:
+            cpu_kernels.store_kv(self._lib, k, v, meta.slot_mapping, k_cache, v_cache)  # type: ignore[arg-type]
+        else:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._kmeta is not meta:
+            self._plan_kernel(meta)
+            self._kmeta = meta
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if self._row_seq.numel():
+            cpu_kernels.paged_attention(
+                self._lib,  # type: ignore[arg-type]
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self._rows,
+                self._row_seq,
+                scale,
+                out,
+            )
+        for s, start, q_len, seq_len in self._prefills:
+            rows = slice(start, start + q_len)
+            out[rows] = _prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, meta.block_tables[s], seq_len, scale
+            )
+        return out
+
+    def _plan_kernel(self, meta: AttentionMetadata) -> None:
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        rows: list[int] = []
+        row_seq: list[int] = []
+        prefills = []
+        for s, (a, b) in enumerate(itertools.pairwise(starts)):
+            if b - a <= KERNEL_MAX_QUERY:
+                rows.extend(range(a, b))
+                row_seq.extend([s] * (b - a))
+            else:
+                prefills.append((s, a, b - a, seq_lens[s]))
+        self._prefills = prefills
+        self._row_seq = torch.tensor(row_seq, dtype=torch.int32)
+        # Rows in order from 0 (every row a kernel row: the hot decode loop) need no index.
+        self._rows = None if len(rows) == starts[-1] else torch.tensor(rows, dtype=torch.int32)
+        if meta.block_tables.dtype != torch.int32 or not meta.block_tables.is_contiguous():
+            meta.block_tables = meta.block_tables.to(torch.int32).contiguous()
+        meta.query_start_loc = meta.query_start_loc.to(torch.int32).contiguous()
+        meta.seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+
+
+def select_backend(
+    device: str | torch.device, override: str | None = None, cache: str | None = None
+) -> AttentionBackend:
+    """Triton on CUDA; on the CPU the C kernel when it builds (`cache`: where it is kept), else
+    PyTorch. `override` ("cpu" / "torch" / "triton") forces one."""
+    is_cuda = torch.device(device).type == "cuda"
+    name = override or ("triton" if is_cuda else "cpu")
+    if name == "cpu":
+        from workers.engine import cpu_kernels
+
+        lib = None if is_cuda else cpu_kernels.load(cache)
+        return CpuAttention(lib) if lib is not None else TorchAttention()
     if name == "torch":
         return TorchAttention()
     if name == "triton":
@@ -223,4 +351,4 @@ def select_backend(device: str | torch.device, override: str | None = None) -> A
         from workers.engine.triton_attention import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'cpu', 'torch' or 'triton'")

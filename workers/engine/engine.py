@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokenmill.tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from workers.engine.attention import select_backend
+from workers.engine.attention import CpuAttention, select_backend
 from workers.engine.block_manager import BlockManager
-from workers.engine.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
+from workers.engine.kv_cache import EngineRegistry, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model
 from workers.engine.lora import AdapterError, LoraAdapter, load_adapter
 from workers.engine.lora_layers import LoraState, attach_lora, select_lora_backend
@@ -38,11 +40,17 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # the token budget of one step
-    kv_cache_gib: float = 1.0  # CPU: memory for the KV cache
+    # CPU: memory for the KV cache; None = a capped share of the host's memory (kv_cache.py)
+    kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory for the KV cache
     num_blocks: int | None = None  # fixed pool size, overriding the budgets
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # "torch" | "triton"; default by device
+    attention_backend: str | None = None  # "cpu" | "torch" | "triton"; default by device
+    # CUDA with Triton attention: decode steps replay CUDA graphs captured at start (cuda_graphs.py)
+    cuda_graphs: bool = True
+    # Where one-time builds (the CPU attention kernel) are kept: a worker passes its model cache;
+    # default TOKENMILL_KERNEL_CACHE or ~/.cache/tokenmill/kernels.
+    compile_cache: str | None = None
     # LoRA: device slots for adapters used by running requests (0 = no LoRA), the largest rank,
     # adapters kept loaded on the CPU (default 2 * max_loras), "torch" | "triton" (by device).
     max_loras: int = 0
@@ -76,6 +84,36 @@ class Output:
     completion_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def merge_outputs(a: Output, b: Output) -> Output:
+    """`b` appended to `a` (the same sample, `b` the later step): one output for both."""
+    return Output(
+        request_id=a.request_id,
+        index=a.index,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        finish_reason=b.finish_reason,
+        prompt_tokens=b.prompt_tokens,
+        cached_tokens=b.cached_tokens,
+        completion_tokens=b.completion_tokens,
+        logprobs=None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs,
+        top_logprobs=None
+        if a.top_logprobs is None or b.top_logprobs is None
+        else a.top_logprobs + b.top_logprobs,
+    )
+
+
+def take_queued(first: Output, box: asyncio.Queue[Any]) -> tuple[Output, BaseException | None]:
+    """`first` merged with the outputs already waiting in `box` (a one-sample request's queue):
+    a caller that fell behind gets one output for all of them (one delta, one frame) instead of
+    many. An exception met on the way is handed back, for after this output."""
+    while first.finish_reason is None and not box.empty():
+        nxt = box.get_nowait()
+        if isinstance(nxt, BaseException):
+            return first, nxt
+        first = merge_outputs(first, nxt)
+    return first, None
 
 
 @dataclass(slots=True)
@@ -119,10 +157,13 @@ class LLMEngine:
         device = torch.device(config.device)
         if config.dtype is None:
             config.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        backend = select_backend(device, config.attention_backend)
+        backend = select_backend(device, config.attention_backend, config.compile_cache)
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=device, backend=backend
         )
+        if isinstance(backend, CpuAttention) and config.dtype == torch.float32:
+            # The C library that reads the paged cache in place also fuses the elementwise work.
+            self.model.use_cpu_ops(backend.lib)
         tok_dir = config.tokenizer or (config.model if Path(config.model).is_dir() else None)
         if tok_dir is None:
             raise ValueError("a .gguf model needs `tokenizer`: a directory with tokenizer.json")
@@ -131,10 +172,21 @@ class LLMEngine:
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
+            engines = 1
+            if device.type == "cpu" and config.kv_cache_gib is None:
+                # Our share of the host: count the engines running here, this one included.
+                self._registry = EngineRegistry()
+                engines = self._registry.register()
             budget = kv_budget_bytes(
-                device, gpu_fraction=config.gpu_memory_utilization, cpu_gib=config.kv_cache_gib
+                device,
+                gpu_fraction=config.gpu_memory_utilization,
+                cpu_gib=config.kv_cache_gib,
+                engines=engines,
             )
             num_blocks = num_blocks_for_budget(cfg, config.block_size, config.dtype, budget)
+            log.info(
+                "KV cache: %.2f GiB, %d blocks (%d engines on this host)", budget / 2**30, num_blocks, engines
+            )
         kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, config.dtype, device)
         self.block_manager = BlockManager(
             num_blocks,
@@ -168,6 +220,12 @@ class LLMEngine:
             admit=self._admit if self.adapters is not None else None,
         )
         self.runner = ModelRunner(self.model, cfg, kv_caches, config.block_size, device, lora=lora)
+        if config.cuda_graphs and device.type == "cuda" and type(backend).__name__ == "TritonAttention":
+            # Only the Triton backend is capturable (the PyTorch one plans on the host).
+            from workers.engine.cuda_graphs import capture_sizes
+
+            max_blocks = -(-cfg.max_position_embeddings // config.block_size)
+            self.runner.capture(capture_sizes(config.max_num_seqs), max_blocks)
         self.sampler = Sampler()
         self.proposer = (
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
@@ -369,7 +427,8 @@ class LLMEngine:
             # After the forward is launched and before its logits are read: on a GPU the masks
             # are computed on the CPU while the model runs.
             self._grammar_masks([batch[i][0] for i in picks], rows)
-            result = self.sampler(logits[picks], rows)
+            # Every row sampled (the hot decode loop): no copy of the [B, vocab] logits.
+            result = self.sampler(logits if len(picks) == logits.shape[0] else logits[picks], rows)
             for j, i in enumerate(picks):
                 sampled[batch[i][0].seq_id] = result.token_ids[j]
         self.scheduler.update(batch, sampled, accepted)

@@ -17,6 +17,7 @@ from workers.engine.config import ModelConfig
 from workers.engine.models import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from workers.engine.cuda_graphs import CudaGraphDecode
     from workers.engine.lora_layers import LoraState
     from workers.engine.sequence import Sequence
 
@@ -37,9 +38,17 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
-        # CUDA graphs for decode are not implemented (no GPU to test them on). The hook is
-        # `forward`: a pure-decode batch padded to a captured size could replay a graph there
-        # instead of calling the model, with static input/metadata buffers filled by `prepare`.
+        # Captured decode forwards (CUDA; `capture`): a pure-decode step without adapters
+        # replays one, padded to the smallest captured batch size that holds it.
+        self.graphs: CudaGraphDecode | None = None
+        self.graph_steps = 0  # steps that replayed a graph (tests and metrics read it)
+
+    def capture(self, sizes: list[int], max_blocks: int) -> None:
+        """Capture the decode forward for each batch size (CUDA only; see cuda_graphs.py)."""
+        from workers.engine.cuda_graphs import CudaGraphDecode
+
+        with torch.inference_mode():
+            self.graphs = CudaGraphDecode(self.forward, sizes, max_blocks, self.device)
 
     def prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[Tensor, Tensor, AttentionMetadata]:
         """input_ids [T], positions [T] and the attention metadata of one step."""
@@ -102,9 +111,22 @@ class ModelRunner:
         `num_logits`, of the last `num_logits[i]` new tokens of sequence i, in order (to verify
         draft tokens), float32 [sum(num_logits), vocab]."""
         input_ids, positions, meta = self.prepare(batch)
+        adapted = False
         if self.lora is not None:  # each token's adapter slot, for the adapted projections
             self.lora.begin(batch, self.device)
-        hidden = self.forward(input_ids, positions, meta)
+            adapted = self.lora.batch is not None
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not adapted
+            and num_logits is None
+            and meta.max_query_len == 1
+            and graphs.can_run(len(batch), meta.block_tables.shape[1])
+        ):
+            hidden = graphs.run(input_ids, positions, meta)
+            self.graph_steps += 1
+        else:
+            hidden = self.forward(input_ids, positions, meta)
         last = meta.query_start_loc[1:].long() - 1
         if num_logits is not None:
             ends = last.tolist()

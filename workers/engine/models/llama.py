@@ -3,6 +3,11 @@
 Tokens of all sequences in a step are laid end to end ([T, hidden], no batch dimension);
 attention is the only place that knows about sequences, through the backend and metadata.
 q/k/v and gate/up are fused into one matmul each; `load_weights` maps HF names onto them.
+
+On the CPU in fp32 the model can run its elementwise work through the fused C ops
+(`use_cpu_ops`, workers/engine/csrc/fused.c): add + RMSNorm, RoPE in place, SiLU * up. The
+plain modules below stay the reference (and the path on GPUs, in half precision, or with the
+"torch" attention backend).
 """
 
 from __future__ import annotations
@@ -151,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.cpu_ops: object | None = None  # the C library of workers.engine.cpu_kernels
+
+    def use_cpu_ops(self, lib: object | None) -> None:
+        """Run fp32 CPU steps through the fused C ops (None: the plain modules)."""
+        self.cpu_ops = lib
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config says so
@@ -168,9 +178,45 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
+        if self.cpu_ops is not None and h.dtype == torch.float32 and h.device.type == "cpu":
+            return self._forward_fused(h, cos, sin, kv_caches, meta)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)
+
+    def _forward_fused(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """The same layers with their elementwise work in the C ops: the residual stream is
+        added to in place, each add fused with the RMSNorm that follows it."""
+        from workers.engine import cpu_kernels as ops
+
+        lib = self.cpu_ops
+        eps = self.cfg.rms_norm_eps
+        cos, sin = cos.contiguous(), sin.contiguous()
+        residual = h.contiguous()  # the stream: embeddings, then += every attention and MLP output
+        x = ops.rms_norm(lib, residual, self.model.layers[0].input_layernorm.weight, eps)  # type: ignore[arg-type]
+        t = h.shape[0]
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            attn = layer.self_attn
+            if i:  # the previous layer's MLP output joins the stream, then this layer's norm
+                x = ops.rms_norm(lib, x, layer.input_layernorm.weight, eps, residual)  # type: ignore[arg-type]
+            qkv = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = q.view(t, attn.num_heads, attn.head_dim)
+            k = k.view(t, attn.num_kv_heads, attn.head_dim)
+            v = v.view(t, attn.num_kv_heads, attn.head_dim)
+            ops.rope_(lib, q, k, cos, sin)  # type: ignore[arg-type]
+            o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+            a = attn.o_proj(o.reshape(t, attn.q_size))
+            x = ops.rms_norm(lib, a, layer.post_attention_layernorm.weight, eps, residual)  # type: ignore[arg-type]
+            x = layer.mlp.down_proj(ops.silu_mul(lib, layer.mlp.gate_up_proj(x)))  # type: ignore[arg-type]
+        return ops.rms_norm(lib, x, self.model.norm.weight, eps, residual)  # type: ignore[arg-type]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32 (what the sampler works in)."""

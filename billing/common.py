@@ -1,0 +1,155 @@
+"""What every part of billing shares: units, times in UTC, the dialect's upsert, how exact
+numbers are written, and time buckets in SQL. One definition each, used by all."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
+
+from sqlalchemy import bindparam, literal_column, union_all
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tokenmill.db import utcnow
+from tokenmill.errors import APIError
+
+MILLION = Decimal(1_000_000)
+SECONDS_PER_HOUR = Decimal(3600)
+CENT = Decimal("0.01")
+BILLIONTH = Decimal("1e-9")  # of a currency unit: the precision of prices and stored costs
+HOUR = timedelta(hours=1)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# What one unit price is per: a million tokens, or an hour of GPU time.
+PER = {"input": MILLION, "cached_input": MILLION, "output": MILLION, "gpu_seconds": SECONDS_PER_HOUR}
+TOKEN_METERS = ("input", "cached_input", "output")
+
+
+# --- time -------------------------------------------------------------------------------
+
+
+def as_utc(t: datetime) -> datetime:
+    """Naive times are UTC (as the database stores them)."""
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def floor_hour(t: datetime) -> datetime:
+    return as_utc(t).replace(minute=0, second=0, microsecond=0)
+
+
+def ceil_hour(t: datetime) -> datetime:
+    floor = floor_hour(t)
+    return floor if floor == as_utc(t) else floor + HOUR
+
+
+def month_bounds(month: date | datetime | str) -> tuple[datetime, datetime]:
+    """[first instant, first instant of the next month) of a UTC calendar month, given as a
+    date or time in it, or as `YYYY-MM`. A malformed string is a 400 naming `month`."""
+    if isinstance(month, str):
+        m = re.fullmatch(r"(\d{4})-(\d{2})(?:-01)?", month.strip())
+        if m is None or not 1 <= int(m.group(2)) <= 12:
+            raise APIError(400, f"month must look like 2026-11, not {month!r}.", param="month")
+        year, mon = int(m.group(1)), int(m.group(2))
+    elif isinstance(month, datetime):
+        t = as_utc(month)
+        year, mon = t.year, t.month
+    else:
+        year, mon = month.year, month.month
+    start = datetime(year, mon, 1, tzinfo=UTC)
+    end = datetime(year + mon // 12, mon % 12 + 1, 1, tzinfo=UTC)
+    return start, end
+
+
+def parse_time(value: str, param: str) -> datetime:
+    """A time parameter: `2026-11-01T12:00:00Z`, `2026-11-01` (midnight) or `2026-11` (the
+    month's start); naive means UTC. Anything else is a 400 naming `param`."""
+    text = value.strip()
+    if re.fullmatch(r"\d{4}-\d{2}", text):
+        try:
+            return month_bounds(text)[0]
+        except APIError:
+            pass
+    else:
+        try:
+            return as_utc(datetime.fromisoformat(text.replace("z", "Z")))
+        except ValueError:
+            pass
+    raise APIError(
+        400,
+        f"{param} must be an ISO 8601 date or time (e.g. 2026-11-01 or 2026-11-01T00:00:00Z), not {value!r}.",
+        param=param,
+    )
+
+
+def time_range(
+    start: str | None,
+    end: str | None,
+    *,
+    now: datetime | None = None,
+    names: tuple[str, str] = ("from", "to"),
+) -> tuple[datetime, datetime]:
+    """A [start, end) range from optional parameters: by default this month so far."""
+    now = now or utcnow()
+    lo = parse_time(start, names[0]) if start else month_bounds(now)[0]
+    hi = parse_time(end, names[1]) if end else now
+    if hi <= lo:
+        raise APIError(400, f"{names[1]} must be after {names[0]}.", param=names[1])
+    return lo, hi
+
+
+def iso(t: datetime | None) -> str | None:
+    """A time as exports write it: ISO 8601 in UTC with a `Z`."""
+    return None if t is None else as_utc(t).isoformat().replace("+00:00", "Z")
+
+
+# --- numbers ----------------------------------------------------------------------------
+
+
+def plain(d: Decimal) -> str:
+    """A quantity or price without the column's trailing zeros, never in exponent form (how
+    exports and Stripe both read numbers)."""
+    text = format(d.normalize(), "f")
+    return "0" if text in ("-0", "") else text
+
+
+def cents(amount: Decimal) -> Decimal:
+    """The one rounding of the money rules: half-even to the cent."""
+    return amount.quantize(CENT, rounding=ROUND_HALF_EVEN)
+
+
+# --- SQL ----------------------------------------------------------------------------------
+
+
+def dialect(session: AsyncSession) -> str:
+    return session.get_bind().dialect.name
+
+
+def dialect_insert(session: AsyncSession) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT (both PostgreSQL and SQLite)."""
+    return postgresql.insert if dialect(session) == "postgresql" else sqlite.insert
+
+
+def per_bucket(column: Any, n: int, make: Callable[[Any], Any]) -> Any:
+    """One SELECT per time bucket, each a range scan of `column`'s index between the
+    parameters `lo<i>` and `hi<i>` (`bucket_edges`), as one UNION ALL statement (one round
+    trip); `make(i)` builds the bucket's SELECT around its index column `i`. Unlike GROUP BY
+    on an expression of the time, this sorts nothing: on 100,000 ledger rows it is about
+    three times faster on SQLite and no slower on PostgreSQL (bench/dashboard.py)."""
+    parts = [
+        make(literal_column(str(i)).label("i")).where(
+            column >= bindparam(f"lo{i}", type_=column.type), column < bindparam(f"hi{i}", type_=column.type)
+        )
+        for i in range(n)
+    ]
+    return parts[0] if n == 1 else union_all(*parts)
+
+
+def bucket_edges(starts: Sequence[datetime], end: datetime) -> dict[str, datetime]:
+    """The `lo<i>`/`hi<i>` parameters of a `per_bucket` statement: bucket i is
+    [starts[i], starts[i + 1]), the last one ends at `end`."""
+    edges = [*starts, end]
+    return {f"lo{i}": lo for i, lo in enumerate(edges[:-1])} | {
+        f"hi{i}": hi for i, hi in enumerate(edges[1:])
+    }

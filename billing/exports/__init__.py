@@ -1,0 +1,1 @@
+"""Exports of usage, rollups and invoices as CSV or JSON."""

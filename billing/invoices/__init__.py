@@ -1,0 +1,1 @@
+"""Monthly invoices built from the rollups."""

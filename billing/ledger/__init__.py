@@ -1,0 +1,1 @@
+"""The usage ledger: one row per request, from the gateways' usage events."""

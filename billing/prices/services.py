@@ -1,0 +1,220 @@
+"""The price book: versions of per-model token prices and per-GPU-type hourly prices.
+
+Versions are only ever added, never edited: the one with the newest `effective_from` not
+after a moment is the price at that moment, so usage keeps the price it was used at.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
+
+from billing.common import BILLIONTH, MILLION, as_utc
+from billing.models import Invoice, Price
+from control_plane.catalog.models import Model
+from tokenmill.db import utcnow
+from tokenmill.errors import APIError
+
+# The most a price may be: what its column (Numeric(18, 9)) holds.
+MAX_PRICE = Decimal(10) ** 9
+CURRENCY = re.compile(r"^[a-z]{3}$")
+
+
+@dataclass(slots=True, frozen=True)
+class Rates:
+    """Per-million-token prices of one model."""
+
+    input: Decimal = Decimal(0)
+    cached_input: Decimal = Decimal(0)
+    output: Decimal = Decimal(0)
+    currency: str = "usd"
+
+    def cost(self, prompt: int, cached: int, completion: int) -> Decimal:
+        """Exact cost (not rounded: rounding happens once per invoice line)."""
+        return (
+            (prompt - cached) * self.input + cached * self.cached_input + completion * self.output
+        ) / MILLION
+
+    def worst_case(self, prompt: int, max_completion: int) -> Decimal:
+        """The most a request can cost: every allowed token generated, each prompt token at
+        the dearer of the cached and uncached price."""
+        return (prompt * max(self.input, self.cached_input) + max_completion * self.output) / MILLION
+
+
+FREE = Rates()
+
+
+async def price_at(
+    session: AsyncSession, *, model_id: str | None = None, gpu_type: str | None = None, at: datetime
+) -> Price | None:
+    """The version of a model's (or GPU type's) price in effect at `at`: the newest one
+    whose `effective_from` is not after it."""
+    subject = Price.model_id == model_id if model_id is not None else Price.gpu_type == gpu_type
+    return await session.scalar(
+        select(Price)
+        .where(subject, Price.effective_from <= at)
+        .order_by(Price.effective_from.desc())
+        .limit(1)
+    )
+
+
+async def model_rates(session: AsyncSession, model_id: str, at: datetime | None = None) -> Rates:
+    """The price of a model in effect at `at` (default now)."""
+    price = await price_at(session, model_id=model_id, at=at or utcnow())
+    if price is None:
+        return FREE
+    return Rates(price.input_per_mtok, price.cached_input_per_mtok, price.output_per_mtok, price.currency)
+
+
+def meter_price(price: Price | None, meter: str) -> Decimal:
+    """What one unit of `meter` costs at a price version (per million tokens or per
+    GPU-hour); nothing without a price."""
+    if price is None:
+        return Decimal(0)
+    return {
+        "input": price.input_per_mtok,
+        "cached_input": price.cached_input_per_mtok,
+        "output": price.output_per_mtok,
+        "gpu_seconds": price.gpu_hour,
+    }[meter]
+
+
+def _check_price(value: Decimal, param: str) -> Decimal:
+    try:
+        ok = value.is_finite() and 0 <= value < MAX_PRICE and value == value.quantize(BILLIONTH)
+    except InvalidOperation:
+        ok = False
+    if not ok:
+        raise APIError(
+            400, f"{param} must be a non-negative amount below 10^9 with at most 9 decimals.", param=param
+        )
+    return value
+
+
+def _check_currency(value: str) -> str:
+    currency = value.strip().lower()
+    if not CURRENCY.match(currency):
+        raise APIError(400, "currency must be a three-letter ISO 4217 code, e.g. usd.", param="currency")
+    return currency
+
+
+class PriceBook:
+    """Adds and reads price versions; never edits one in place."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def _model(self, ref: str) -> Model:
+        model = await self.session.scalar(select(Model).where(or_(Model.id == ref, Model.name == ref)))
+        if model is None:
+            raise APIError(400, f"No model '{ref}' in the catalogue.", param="model")
+        return model
+
+    async def _check_effective(self, subject: ColumnElement[bool], effective_from: datetime) -> None:
+        # A version starting inside an invoiced period would reprice usage that is already on
+        # a finalized (immutable) invoice: rollups and invoices would disagree for ever.
+        closed = await self.session.scalar(
+            select(func.max(Invoice.period_end)).where(Invoice.status == "finalized")
+        )
+        if closed is not None and effective_from < as_utc(closed):
+            raise APIError(
+                409,
+                f"effective_from must not be before {as_utc(closed).isoformat()}: usage before it "
+                "is on finalized invoices.",
+                param="effective_from",
+            )
+        clash = await self.session.scalar(
+            select(Price.id).where(subject, Price.effective_from == effective_from)
+        )
+        if clash is not None:
+            raise APIError(
+                409,
+                f"A price version effective from {effective_from.isoformat()} already exists "
+                f"({clash}); add one with a later effective_from instead.",
+                param="effective_from",
+            )
+
+    async def add_model_price(
+        self,
+        *,
+        model_ref: str,
+        input_per_mtok: Decimal,
+        output_per_mtok: Decimal,
+        cached_input_per_mtok: Decimal | None = None,
+        currency: str = "usd",
+        effective_from: datetime | None = None,
+    ) -> tuple[Price, Model]:
+        """A new price version of a model; without a cached-input price, cached tokens cost
+        as much as uncached ones."""
+        model = await self._model(model_ref)
+        when = as_utc(effective_from) if effective_from else utcnow()
+        price = Price(
+            model_id=model.id,
+            currency=_check_currency(currency),
+            input_per_mtok=_check_price(input_per_mtok, "input_per_mtok"),
+            cached_input_per_mtok=_check_price(
+                input_per_mtok if cached_input_per_mtok is None else cached_input_per_mtok,
+                "cached_input_per_mtok",
+            ),
+            output_per_mtok=_check_price(output_per_mtok, "output_per_mtok"),
+            effective_from=when,
+        )
+        await self._check_effective(Price.model_id == model.id, when)
+        self.session.add(price)
+        await self.session.flush()
+        return price, model
+
+    async def add_gpu_price(
+        self,
+        *,
+        gpu_type: str,
+        per_hour: Decimal,
+        currency: str = "usd",
+        effective_from: datetime | None = None,
+    ) -> Price:
+        gpu = gpu_type.strip()
+        if not gpu or len(gpu) > 50:
+            raise APIError(400, "gpu_type must be 1 to 50 characters.", param="gpu_type")
+        when = as_utc(effective_from) if effective_from else utcnow()
+        price = Price(
+            gpu_type=gpu,
+            currency=_check_currency(currency),
+            gpu_hour=_check_price(per_hour, "per_hour"),
+            effective_from=when,
+        )
+        await self._check_effective(Price.gpu_type == gpu, when)
+        self.session.add(price)
+        await self.session.flush()
+        return price
+
+    async def model_prices(
+        self, *, model_ref: str | None = None, at: datetime | None = None
+    ) -> list[tuple[Price, Model]]:
+        """Every version (oldest first per model), or with `at` the one in effect then."""
+        stmt = select(Price, Model).join(Model, Model.id == Price.model_id)
+        if model_ref is not None:
+            stmt = stmt.where(Price.model_id == (await self._model(model_ref)).id)
+        if at is not None:
+            stmt = stmt.where(Price.effective_from <= at)
+        found = await self.session.execute(stmt.order_by(Model.name, Price.effective_from))
+        rows = [(p, m) for p, m in found]
+        if at is not None:
+            rows = list({m.id: (p, m) for p, m in rows}.values())  # the last version of each wins
+        return rows
+
+    async def gpu_prices(self, *, gpu_type: str | None = None, at: datetime | None = None) -> list[Price]:
+        stmt = select(Price).where(Price.gpu_type.is_not(None))
+        if gpu_type is not None:
+            stmt = stmt.where(Price.gpu_type == gpu_type)
+        if at is not None:
+            stmt = stmt.where(Price.effective_from <= at)
+        rows = list(await self.session.scalars(stmt.order_by(Price.gpu_type, Price.effective_from)))
+        if at is not None:
+            rows = list({p.gpu_type: p for p in rows}.values())
+        return rows

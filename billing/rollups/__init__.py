@@ -1,0 +1,1 @@
+"""Hourly rollups of the ledger and the workers' lifetimes, priced."""

@@ -1,0 +1,1 @@
+"""Stripe sync (invoices or meters mode) and its webhooks."""

@@ -1,0 +1,1 @@
+"""The catalogue: base models, LoRA adapters, deployments and their workers' lifetimes."""

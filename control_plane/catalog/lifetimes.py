@@ -1,0 +1,76 @@
+"""Worker lifetimes, recorded from the bus: what dedicated deployments are billed on."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import msgspec
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from control_plane.catalog.models import Deployment, Worker
+from tokenmill.bus import Entry, EventBus
+from tokenmill.db import utcnow
+from tokenmill.protocol import WORKERS, Heartbeat, WorkerAnnounce, WorkerDeparture, WorkerEvent
+from tokenmill.tasks import GroupConsumer
+
+
+class WorkerLifetimes(GroupConsumer):
+    """Records each worker's start and stop (what dedicated deployments are billed on).
+
+    Last-seen times are written at most every few seconds per worker.
+    """
+
+    name = "worker-lifetimes"
+    stream = WORKERS
+    group = "control-plane-workers"
+
+    def __init__(self, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], consumer: str) -> None:
+        super().__init__(bus, consumer)
+        self.sessionmaker = sessionmaker
+        self._seen: dict[str, float] = {}
+        self._decoder = msgspec.json.Decoder(WorkerEvent)
+
+    async def handle(self, entries: list[Entry]) -> None:
+        await self.apply([self._decoder.decode(raw) for _, raw in entries])
+
+    async def apply(self, events: list[WorkerEvent]) -> None:
+        async with self.sessionmaker() as session, session.begin():
+            for ev in events:
+                ts = datetime.fromtimestamp(ev.ts, UTC) if ev.ts else utcnow()
+                if isinstance(ev, WorkerAnnounce | Heartbeat):
+                    if isinstance(ev, Heartbeat) and ev.ts - self._seen.get(ev.worker_id, 0.0) < 5.0:
+                        continue
+                    self._seen[ev.worker_id] = ev.ts
+                    worker = await session.get(Worker, ev.worker_id)
+                    if worker is None:
+                        session.add(
+                            Worker(
+                                id=ev.worker_id,
+                                deployment_id=await _known_deployment(session, ev.deployment_id),
+                                address=ev.address,
+                                model=ev.model,
+                                gpu_type=getattr(ev, "gpu_type", None),
+                                started_at=ts,
+                                last_seen_at=ts,
+                            )
+                        )
+                        await session.flush()
+                    elif worker.stopped_at is None:
+                        worker.last_seen_at = ts
+                elif isinstance(ev, WorkerDeparture):
+                    # A lost worker (declared gone by the reconciler) stops at its last
+                    # heartbeat: no unseen time is billed, and none that was seen is dropped.
+                    self._seen.pop(ev.worker_id, None)
+                    await session.execute(
+                        update(Worker)
+                        .where(Worker.id == ev.worker_id, Worker.stopped_at.is_(None))
+                        .values(stopped_at=ts, last_seen_at=ts, status="lost" if ev.lost else "stopped")
+                    )
+
+
+async def _known_deployment(session: AsyncSession, deployment_id: str | None) -> str | None:
+    # A worker started by hand may name a deployment this database does not know.
+    if deployment_id and await session.get(Deployment, deployment_id) is not None:
+        return deployment_id
+    return None

@@ -1,0 +1,114 @@
+"""Wire types of the catalogue: models, deployments, adapters."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from control_plane.wire import Body, ModelName
+
+# --- models ----------------------------------------------------------------------------
+
+ContextLength = Annotated[int, Meta(ge=1, le=16_777_216)]
+
+
+class ModelCreate(Body):
+    name: ModelName
+    source: Annotated[str, Meta(min_length=1, max_length=1000)]
+    format: Literal["hf", "gguf"] = "hf"
+    kind: Literal["generate", "embed"] = "generate"
+    context_length: ContextLength = 2048
+
+
+class ModelUpdate(Body):
+    source: Annotated[str, Meta(min_length=1, max_length=1000)] | UnsetType = UNSET
+    format: Literal["hf", "gguf"] | UnsetType = UNSET
+    context_length: ContextLength | UnsetType = UNSET
+
+
+class ModelOut(msgspec.Struct):
+    id: str
+    name: str
+    source: str
+    format: str
+    kind: str
+    context_length: int
+    created_at: datetime
+
+
+# --- deployments -----------------------------------------------------------------------
+
+GpuType = Annotated[str, Meta(min_length=1, max_length=50, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+Replicas = Annotated[int, Meta(ge=0, le=1000)]
+AdapterIds = Annotated[list[Annotated[str, Meta(min_length=1, max_length=40)]], Meta(max_length=100)]
+
+
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+
+
+class Autoscaling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
+    """How the autoscaler sizes a deployment between its min and max replicas; unset fields
+    take the autoscaler's defaults (autoscaler/policy.py)."""
+
+    target_concurrency: Annotated[float, Meta(gt=0, le=10_000)] | None = None  # requests per replica
+    target_ttft_seconds: Seconds | None = None  # p95; above it the fleet grows
+    stable_window_seconds: Seconds | None = None
+    panic_window_seconds: Seconds | None = None
+    scale_down_cooldown_seconds: Seconds | None = None
+    scale_to_zero_grace_seconds: Seconds | None = None  # idle time before a min-0 deployment stops
+
+
+class DeploymentCreate(Body):
+    name: ModelName
+    model: Annotated[str, Meta(min_length=1, max_length=200)]  # id or name of a base model
+    type: Literal["serverless", "dedicated"] = "dedicated"
+    org_id: str | None = None  # owner of a dedicated deployment (org admins: their own)
+    adapters: AdapterIds = []
+    gpu_type: GpuType | None = None  # a dedicated deployment's must be in the price book
+    min_replicas: Replicas = 1
+    max_replicas: Replicas = 1
+    status: Literal["active", "stopped"] = "active"
+    autoscaling: Autoscaling | None = None
+
+
+class DeploymentUpdate(Body):
+    adapters: AdapterIds | UnsetType = UNSET
+    gpu_type: GpuType | UnsetType | None = UNSET
+    min_replicas: Replicas | UnsetType = UNSET
+    max_replicas: Replicas | UnsetType = UNSET
+    status: Literal["active", "stopped"] | UnsetType = UNSET
+    autoscaling: Autoscaling | UnsetType = UNSET  # replaces the whole setting
+
+
+class DeploymentOut(msgspec.Struct):
+    id: str
+    name: str
+    model_id: str
+    org_id: str | None
+    type: str
+    kind: str
+    gpu_type: str | None
+    min_replicas: int
+    max_replicas: int
+    status: str  # active | stopped | suspended (its organisation is)
+    adapters: list[str]
+    created_at: datetime
+    autoscaling: Autoscaling = Autoscaling()
+
+
+# --- adapters --------------------------------------------------------------------------
+
+
+class AdapterOut(msgspec.Struct):
+    id: str
+    org_id: str
+    model_id: str
+    name: str
+    rank: int
+    target_modules: list[str] | None
+    size_bytes: int | None
+    sha256: str | None
+    created_at: datetime

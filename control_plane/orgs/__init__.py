@@ -1,0 +1,1 @@
+"""Organisations, their users and their API keys."""

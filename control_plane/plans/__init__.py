@@ -1,0 +1,1 @@
+"""Plans: rate limits, budgets and quotas that organisations point at."""

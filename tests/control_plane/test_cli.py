@@ -1,0 +1,104 @@
+"""`tokenmill admin` acting as the platform operator, through the same services and rules as
+the admin API: suspending and resuming organisations, and creating, changing and listing
+deployments, on SQLite and PostgreSQL (the commands run as the subprocesses an operator runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+from sqlalchemy import select
+
+import migrations
+from billing.models import Price
+from control_plane.audit.models import AuditEntry
+from control_plane.bootstrap import bootstrap
+from control_plane.catalog.models import Deployment
+from tests.control_plane.conftest import GPU, MODEL, SECRET_KEY
+from tokenmill.db import make_engine, make_sessionmaker, utcnow
+from tokenmill.settings import BUNDLED_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def admin(env: dict[str, str], *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "admin", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode == 0) == ok, done.stdout + done.stderr
+    return done
+
+
+async def test_operator_commands_suspend_resume_and_manage_deployments(db_url: str, tmp_path: Path) -> None:
+    await asyncio.to_thread(migrations.upgrade, db_url)
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    await bootstrap(
+        sm,
+        secret_key=SECRET_KEY,
+        model_name=MODEL,
+        model_source=BUNDLED_MODEL,
+        model_format="gguf",
+        context_length=8192,
+    )
+    async with sm() as s, s.begin():
+        s.add(Price(gpu_type=GPU, gpu_hour=Decimal("0.80"), effective_from=utcnow() - timedelta(days=1)))
+    env = {
+        **os.environ,
+        "DATABASE_URL": db_url,
+        "TOKENMILL_HOME": str(tmp_path),
+        "TOKENMILL_SECRET_KEY": SECRET_KEY,
+        # no server to tell: the commands still commit, and say so
+        "TOKENMILL_BUS_URL": "http://127.0.0.1:9/internal/bus",
+        "TOKENMILL_DEFAULT_MAX_DEDICATED_REPLICAS": "4",
+    }
+    env.pop("REDIS_URL", None)
+    try:
+        admin(env, "create-org", "acme")
+        out = admin(
+            env, "deployments", "create", "--org", "acme", "--name", "acme-chat", "--model", MODEL,
+            "--gpu-type", GPU, "--max-replicas", "2",
+        ).stdout  # fmt: skip
+        dep_id, name, org_id, gpu, replicas, status = out.strip().split("\t")
+        assert (name, gpu, replicas, status) == ("acme-chat", GPU, "1-2", "active")
+        # the rules are the admin API's: a priced GPU type, the quota
+        refused = admin(
+            env, "deployments", "create", "--org", "acme", "--name", "x", "--model", MODEL, ok=False
+        )
+        assert "needs a gpu_type" in refused.stderr
+        too_big = admin(
+            env, "deployments", "create", "--org", "acme", "--name", "x", "--model", MODEL, "--gpu-type", GPU,
+            "--max-replicas", "3", ok=False,
+        )  # fmt: skip
+        assert "quota max_dedicated_replicas is 4" in too_big.stderr
+
+        suspended = admin(env, "suspend-org", "acme")
+        assert suspended.stdout.strip() == "suspended acme"
+        assert "no running gateway was told" in suspended.stderr
+        listed = admin(env, "deployments", "list", "--org", "acme").stdout
+        assert listed.strip().split("\t")[-1] == "suspended"
+        assert admin(env, "resume-org", org_id).stdout.strip() == f"resumed {org_id}"
+        out = admin(env, "deployments", "update", dep_id, "--max-replicas", "3").stdout
+        assert out.strip().split("\t")[-2:] == ["1-3", "active"]
+        everything = admin(env, "deployments", "list").stdout
+        assert {line.split("\t")[1] for line in everything.strip().splitlines()} == {MODEL, "acme-chat"}
+
+        async with sm() as s:
+            dep = await s.get(Deployment, dep_id)
+            assert dep is not None and (dep.max_replicas, dep.status, dep.org_id) == (3, "active", org_id)
+            entries = (await s.scalars(select(AuditEntry).where(AuditEntry.resource_id == dep_id))).all()
+            # the operator is the system: entries without actor ids
+            assert [e.action for e in entries] == ["create", "suspend", "resume", "update"]
+            assert all(e.actor_key_id is None and e.actor_user_id is None for e in entries)
+    finally:
+        await engine.dispose()

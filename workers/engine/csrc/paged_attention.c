@@ -1,0 +1,105 @@
+/* Paged attention for the CPU: short queries (decode, verified drafts) against each sequence's
+ * context, reading every key and value row where it lies in the paged cache.
+ *
+ * Built at run time by workers/engine/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and
+ * called through ctypes: plain C, no torch headers, so it compiles in about a second. It links
+ * libgomp by its soname, which resolves to the copy torch has already loaded: one thread pool.
+ *
+ * Layout (vLLM's): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], all
+ * contiguous fp32. Sequence s owns query rows query_start[s] .. query_start[s + 1] - 1, the last
+ * q_len positions of its seq_lens[s]-token context, and query i sees keys 0 .. its own position.
+ * Each work item is one (sequence, kv head, query) triple: the G = H / KVH query heads that share
+ * the kv head walk the context once, a block at a time, with an online softmax (one pass over K
+ * and V, no score buffer).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "tm_math.h"
+
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_DIM 256   /* head_dim */
+#define MAX_BLOCK 64  /* tokens per cache block */
+
+int tm_limits(int64_t group, int64_t head_dim, int64_t block_size) {
+    return group <= MAX_GROUP && head_dim <= MAX_DIM && block_size <= MAX_BLOCK;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < n; d++) acc += a[d] * b[d];
+    return acc;
+}
+
+static void one_query(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+                      const int32_t *restrict table, int64_t ctx, int64_t kvh, int64_t group, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, float *restrict out) {
+    float acc[MAX_GROUP][MAX_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][MAX_BLOCK];
+    const int64_t row = num_kv_heads * head_dim; /* stride between tokens of a block */
+    for (int64_t g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+    }
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + kvh) * head_dim;
+        const float *kb = k_cache + base, *vb = v_cache + base;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t g = 0; g < group; g++) s[g][j] = dot(q + g * head_dim, kb + j * row, head_dim) * scale;
+        for (int64_t g = 0; g < group; g++) {
+            float top = m[g];
+            for (int64_t j = 0; j < n; j++) top = s[g][j] > top ? s[g][j] : top;
+            if (top > m[g]) { /* rescale what was accumulated under the old maximum */
+                const float c = tm_expf(m[g] - top);
+                l[g] *= c;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= c;
+                m[g] = top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) { /* the block's probabilities, vectorised over j */
+                s[g][j] = tm_expf(s[g][j] - top);
+                sum += s[g][j];
+            }
+            l[g] += sum;
+            for (int64_t j = 0; j < n; j++) {
+                const float p = s[g][j];
+                const float *v = vb + j * row;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g][d] * inv;
+    }
+}
+
+void tm_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *query_start, const int32_t *seq_lens,
+                        const int32_t *rows, const int32_t *row_seq, int64_t num_items, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t num_threads, float *out) {
+    /* Item i is query row rows[i] (or row i when rows is NULL) of sequence row_seq[i]; the work
+     * is num_items x KVH, in that order, so the kv heads of one query are neighbours. */
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t total = num_items * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t w = 0; w < total; w++) {
+        const int64_t i = w / num_kv_heads, kvh = w % num_kv_heads;
+        const int64_t t = rows ? rows[i] : i;
+        const int64_t seq = row_seq[i];
+        const int64_t q_len = query_start[seq + 1] - query_start[seq];
+        const int64_t ctx = seq_lens[seq] - q_len + (t - query_start[seq]) + 1; /* causal */
+        const int64_t at = (t * num_heads + kvh * group) * head_dim;
+        one_query(q + at, k_cache, v_cache, block_tables + seq * table_stride, ctx, kvh, group, num_kv_heads,
+                  head_dim, block_size, scale, out + at);
+    }
+}
