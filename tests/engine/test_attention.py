@@ -41,6 +41,7 @@ def make_case(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     padding_seq: bool = False,
+    head_dim: int = HEAD_DIM,
 ) -> Case:
     """A batch whose cached context is already in the cache (random values at each sequence's
     slots) and whose new tokens' k/v are still to be stored by the backend."""
@@ -50,8 +51,8 @@ def make_case(
     num_blocks = need + 5
     ids = list(range(num_blocks))
     rng.shuffle(ids)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     width = max(-(-(c + n) // block_size) for c, n in shapes)
     tables, slots, contexts, qs, ks, vs, real = [], [], [], [], [], [], []
     for i, (cached, new) in enumerate(shapes):
@@ -65,12 +66,12 @@ def make_case(
             else torch.tensor(table)[positions // block_size] * block_size + positions % block_size
         )
         slots.append(seq_slots[cached:])
-        q = torch.randn(new, num_heads, HEAD_DIM).to(dtype)
-        k = torch.randn(new, num_kv_heads, HEAD_DIM).to(dtype)
-        v = torch.randn(new, num_kv_heads, HEAD_DIM).to(dtype)
+        q = torch.randn(new, num_heads, head_dim).to(dtype)
+        k = torch.randn(new, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(new, num_kv_heads, head_dim).to(dtype)
         old = seq_slots[:cached]
-        ck = k_cache.view(-1, num_kv_heads, HEAD_DIM)[old] if cached else k[:0]
-        cv = v_cache.view(-1, num_kv_heads, HEAD_DIM)[old] if cached else v[:0]
+        ck = k_cache.view(-1, num_kv_heads, head_dim)[old] if cached else k[:0]
+        cv = v_cache.view(-1, num_kv_heads, head_dim)[old] if cached else v[:0]
         contexts.append((torch.cat([ck, k]), torch.cat([cv, v])))
         qs.append(q)
         ks.append(k)
@@ -107,7 +108,7 @@ def dense_reference(case: Case, scale: float) -> list[torch.Tensor]:
 
 
 def check(case: Case, backend: object, atol: float) -> None:
-    scale = HEAD_DIM**-0.5
+    scale = case.q.shape[-1] ** -0.5
     k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
     out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, scale)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
@@ -244,6 +245,16 @@ def test_kernel_equals_plain_path(kernel: CpuAttention) -> None:
     plain = TorchAttention().forward(*args)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
     check(case, kernel, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 12])
+def test_kernel_paths_of_each_head_dim_match_the_dense_reference(kernel: CpuAttention, head_dim: int) -> None:
+    """The kernel's vector paths (scores 8 keys at a time when head_dim is a multiple of 8; the
+    weighted values in registers when it is a multiple of 64) and its scalar path otherwise,
+    with contexts that end inside a group of 8 keys and inside a block."""
+    rng = random.Random(head_dim)
+    shapes = [(c, 1) for c in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 300)] + [(rng.randint(0, 500), 2)]
+    check(make_case(rng, shapes, 9, 3, 16, head_dim=head_dim), kernel, atol=1e-5)
 
 
 def test_kernel_declines_what_it_does_not_cover(kernel: CpuAttention) -> None:

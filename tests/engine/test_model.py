@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tokenmill.modelstore import bundled_path, resolve_model
+from workers.engine import linear
 from workers.engine.attention import CpuAttention, TorchAttention, select_backend
 from workers.engine.config import ModelConfig
 from workers.engine.kv_cache import allocate_kv_cache, block_bytes, kv_budget_bytes, num_blocks_for_budget
@@ -95,11 +96,13 @@ def prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
 
 
 def _cpu_ops_model(path: Path) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The CPU fast path: the C attention kernel and the fused elementwise C ops."""
+    """The CPU fast path, as the engine runs it: the C attention kernel, the fused elementwise
+    C ops and the projections from oneDNN-packed weights."""
     backend = select_backend("cpu")
     assert isinstance(backend, CpuAttention), "the CPU kernels did not build"
     model, cfg = load_model(path, backend=backend)
     model.use_cpu_ops(backend.lib)
+    assert linear.pack(model) == 4 * cfg.num_layers + 1  # every projection and the lm_head
     return model, cfg
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tokenmill.tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from workers.engine import linear
 from workers.engine.attention import CpuAttention, select_backend
 from workers.engine.block_manager import BlockManager
 from workers.engine.kv_cache import EngineRegistry, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
@@ -164,6 +165,8 @@ class LLMEngine:
         if isinstance(backend, CpuAttention) and config.dtype == torch.float32:
             # The C library that reads the paged cache in place also fuses the elementwise work.
             self.model.use_cpu_ops(backend.lib)
+        # fp32 on the CPU: the projections run from weights packed once for oneDNN (linear.py).
+        linear.pack(self.model)
         tok_dir = config.tokenizer or (config.model if Path(config.model).is_dir() else None)
         if tok_dir is None:
             raise ValueError("a .gguf model needs `tokenizer`: a directory with tokenizer.json")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine.linear import Linear
 from workers.engine.lora import FUSED
 
 if TYPE_CHECKING:
@@ -133,19 +133,20 @@ class LoraState:
         self.batch = make_lora_batch(slots, [n for _, n in batch], device)
 
 
-class LoraLinear(nn.Linear):
-    """An nn.Linear (same parameters, same names) that adds the step's adapters to its output."""
+class LoraLinear(Linear):
+    """A Linear (same parameters, same names) that adds the step's adapters to its output."""
 
-    def __init__(self, base: nn.Linear, stack: LoraStack, state: LoraState) -> None:
+    def __init__(self, base: Linear, stack: LoraStack, state: LoraState) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: the parameters are the base layer's own
         self.in_features, self.out_features = base.in_features, base.out_features
         self.register_parameter("weight", base.weight)
         self.register_parameter("bias", base.bias)
+        self.packed = base.packed
         self.stack = stack
         self.state = state
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = super().forward(x)
         batch = self.state.batch
         if batch is not None and self.stack.a is not None:
             self.state.backend.apply(x, out, self.stack, batch)

@@ -32,6 +32,45 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TM_DOT8 1
+/* q against 8 keys k, k + row, ..., k + 7 row at once (head_dim a multiple of 8): one vector
+ * accumulator per key and one transpose-add at the end, instead of a horizontal sum per key,
+ * which left the scores latency-bound. Lane j of the result is the score of key j. */
+static inline __m256 dot8(const float *restrict q, const float *restrict k, int64_t row, int64_t head_dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + row + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * row + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * row + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * row + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * row + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * row + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * row + d), a7);
+    }
+    const __m256 lo4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 hi4 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
+}
+
+/* acc[0..63] += sum over j < n of p[j] * v[j * row + 0..63], the accumulator in registers
+ * throughout (in memory, every key paid a load and a store of it). */
+static inline void pv64(const float *restrict p, const float *restrict v, int64_t row, int64_t n,
+                        float *restrict acc) {
+    __m256 c[8];
+    for (int i = 0; i < 8; i++) c[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 w = _mm256_set1_ps(p[j]);
+        const float *r = v + j * row;
+        for (int i = 0; i < 8; i++) c[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * i), c[i]);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, c[i]);
+}
+#endif
+
 static void one_query(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                       const int32_t *restrict table, int64_t ctx, int64_t kvh, int64_t group, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, float scale, float *restrict out) {
@@ -48,7 +87,16 @@ static void one_query(const float *restrict q, const float *restrict k_cache, co
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
         const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + kvh) * head_dim;
         const float *kb = k_cache + base, *vb = v_cache + base;
-        for (int64_t j = 0; j < n; j++)
+        int64_t j = 0;
+#ifdef TM_DOT8
+        if (head_dim % 8 == 0) {
+            const __m256 sc = _mm256_set1_ps(scale);
+            for (; j + 8 <= n; j += 8)
+                for (int64_t g = 0; g < group; g++)
+                    _mm256_storeu_ps(s[g] + j, _mm256_mul_ps(dot8(q + g * head_dim, kb + j * row, row, head_dim), sc));
+        }
+#endif
+        for (; j < n; j++)
             for (int64_t g = 0; g < group; g++) s[g][j] = dot(q + g * head_dim, kb + j * row, head_dim) * scale;
         for (int64_t g = 0; g < group; g++) {
             float top = m[g];
@@ -67,6 +115,12 @@ static void one_query(const float *restrict q, const float *restrict k_cache, co
                 sum += s[g][j];
             }
             l[g] += sum;
+#ifdef TM_DOT8
+            if (head_dim % 64 == 0) { /* 64 columns at a time, held in registers across the block */
+                for (int64_t d = 0; d < head_dim; d += 64) pv64(s[g], vb + d, row, n, acc[g] + d);
+                continue;
+            }
+#endif
             for (int64_t j = 0; j < n; j++) {
                 const float p = s[g][j];
                 const float *v = vb + j * row;
