@@ -525,6 +525,9 @@ async def test_tail_survives_a_lost_stream(redis_url: str, new_stream: Callable[
             await asyncio.sleep(0.02)
         assert [msgspec.json.decode(s) for s in seen] == [{"n": 3}]  # from "now" on
         await bus.redis.delete(stream)  # what a restart without persistence leaves
+        # A real restart takes far longer than a millisecond; published within the same one as
+        # n=3, the recreated stream would reuse n=3's id (`<ms>-0`), which the tail waits past.
+        await asyncio.sleep(0.005)
         await bus.publish(stream, {"n": 4})
         for _ in range(200):
             if len(seen) == 2:
