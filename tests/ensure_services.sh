@@ -36,6 +36,9 @@ fi
 if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "ensure_services: installing ${missing[*]} for the tests" >&2
     export DEBIAN_FRONTEND=noninteractive
+    # A machine whose earlier apt run was cut off refuses every install until
+    # the half-configured packages are finished; finishing them is harmless.
+    dpkg --configure -a
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${missing[@]}"
     exit 0
