@@ -16,10 +16,10 @@ cache) in fp32 on the same threads with the same KV cache memory:
   `python -m vllm.entrypoints.openai.api_server`, with VLLM_CPU_KVCACHE_SPACE and its OpenMP
   threads bound to the same cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0, or it keeps one for itself).
 
-Each server gets two small warm-up requests before the measured burst, and runs alone. The
-engine's in-process figure (bench/engine.py's `run_engine`, the same workload and engine
-settings, in a fresh process) is measured in the same run: the machine's speed drifts from
-hour to hour, so only figures of one run compare. Measured per server: output tokens/s (all
+Each server gets two small warm-up requests and a 16-request burst before the measured one,
+and runs alone. The engine's in-process figure (bench/engine.py's `run_engine`, the same
+workload and engine settings, in a fresh process) is measured in the same run: the machine's
+speed drifts from hour to hour, so only figures of one run compare. Measured per server: output tokens/s (all
 completion tokens over the wall time from the first request sent to the last finished), TTFT
 (to the first streamed chunk) and TPOT ((latency - TTFT) / (tokens - 1)), p50 and p99, and the
 CPU time the server's processes spent per 1000 output tokens (on a machine shared with other
@@ -182,16 +182,22 @@ def figures(name: str, reqs: list[Request], samples: list[Sample], wall: float) 
 
 
 async def warm_up(url: str, model: str, headers: dict[str, str]) -> None:
-    """Two small requests, so that nothing measured pays a first-request cost."""
+    """Two small requests until the server answers, then a short burst of the workload's
+    prompt lengths and concurrency: a server that compiles per batch shape (vLLM's CPU build
+    did, in a first measured round 1.5x slower than its second) pays that before the clock."""
     reqs = workload(99, 2, VOCAB, (8, 16), (4, 4))
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:
         samples, _ = await burst(url, model, reqs, 2, headers)
         if all(s.error is None for s in samples):
-            return
+            break
         if time.monotonic() > deadline:
             raise RuntimeError(f"warm-up failed at {url}: {samples[0].error}")
         await asyncio.sleep(1.0)
+    reqs = workload(98, 16, VOCAB, (32, 512), (4, 8))
+    samples, _ = await burst(url, model, reqs, 16, headers)
+    if any(s.error is not None for s in samples):
+        raise RuntimeError(f"warm-up burst failed at {url}: {next(s.error for s in samples if s.error)}")
 
 
 # --- the servers ----------------------------------------------------------------------------
