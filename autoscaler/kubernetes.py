@@ -9,10 +9,29 @@ drains and consolidation take one worker of a deployment at a time), and it crea
 workers' PriorityClass once. Workers outlive the provider: `close` only closes the client.
 
 Sizes: a GPU worker asks, per GPU, the share of its GPU type in TOKENMILL_WORKER_RESOURCES
-(infra/terraform computes it so that it fits the node types it offers; `options["gpus"]`
-asks several GPUs in one pod), a CPU worker a fixed size; `options["cpu"]`/`["memory"]`
-override the totals. Every worker has a model cache volume of its own size, counted in its
-ephemeral-storage request with the rest of its scratch space.
+(infra/terraform computes it so that it fits the node types it offers; `gpus_per_replica`
+asks several GPUs in one pod, see `gpu_count`), a CPU worker a fixed size;
+`options["cpu"]`/`["memory"]` override the totals (of vLLM's container in a vLLM pod). Every
+worker has a model cache volume of its own size, counted in its ephemeral-storage request with
+the rest of its scratch space.
+
+A `vllm` deployment's pod runs vLLM's own image (TOKENMILL_VLLM_IMAGE, pinned by digest) beside
+the worker image, which does not bundle vLLM. In start order:
+
+1. `fetch-model` (init container, worker image): resolves the model source into the model
+   cache volume exactly as a builtin worker does (fetched from the object storage, a GGUF
+   converted) and links it at MODEL_LINK: vLLM's image cannot read our storage or a path in the
+   worker image, so the same emptyDir hands it the files.
+2. `vllm` (a native sidecar: an init container with `restartPolicy: Always`): the OpenAI server
+   on the pod's loopback only (it checks no key and meters nothing), with the pod's GPUs, the
+   flags a worker gives the vLLM it starts itself (workers/vllm/server.py: our block size,
+   prompt token details, llguidance) and the deployment's engine arguments, and its KV events
+   on a Unix socket in a volume only these two containers mount. The worker starts once its
+   startup probe has seen `/health`, and on termination it is stopped only after the worker
+   has drained its streams.
+3. `worker`: `tokenmill worker --engine vllm`, the same worker toward the fleet, reaching vLLM
+   at TOKENMILL_VLLM_URL; it reads the adapters it fetches into the model cache, which vLLM
+   sees at the same path (read-only) and loads at runtime.
 """
 
 from __future__ import annotations
@@ -32,6 +51,14 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from autoscaler.providers import WorkerSpec
+from tokenmill import vllm_args
+from tokenmill.settings import check_image_digest
+from tokenmill.vllm_args import (
+    ENGINE_ARGS_ENV,
+    encode_engine_args,
+    structured_outputs_config,
+    vllm_server_flags,
+)
 
 if TYPE_CHECKING:
     from tokenmill.settings import Settings
@@ -52,6 +79,7 @@ ANNOTATION_SPEC_HASH = "tokenmill.dev/spec-hash"
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 MANAGED_BY = "tokenmill-autoscaler"
 GPU_RESOURCE = "nvidia.com/gpu"
+ENGINES = ("builtin", "vllm")
 
 WORKER_PORT = 8080
 WORKER_HOME = "/var/lib/tokenmill"
@@ -73,6 +101,27 @@ PRIORITY_CLASS = "tokenmill-worker"
 PRIORITY_VALUE = 100_000
 VICTIM_COST = "-1000"  # below the default 0: the ReplicaSet removes these pods first
 REQUEST_TIMEOUT = 30.0  # seconds; a hung API server must not stall the reconciler forever
+
+# --- vLLM pods (see the module docstring) ---
+VLLM_PORT = 8000
+VLLM_HEALTH = f"http://127.0.0.1:{VLLM_PORT}/health"
+VLLM_HOME = "/var/lib/vllm"  # HOME of the vLLM container: torch.compile, Triton, FlashInfer caches
+MODEL_LINK = f"{MODEL_CACHE}/.vllm-model"  # the resolved model directory, for vLLM's --model
+KV_EVENTS_DIR = "/run/tokenmill"
+# A Unix socket rather than vLLM's usual tcp://*:5557, which would publish every prompt's token
+# ids to the whole cluster network; vLLM binds an ipc:// endpoint like a wildcard one.
+KV_EVENTS_ENDPOINT = f"ipc://{KV_EVENTS_DIR}/kv-events"
+VLLM_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+FETCH_MODEL_COMMAND = ["python", "-m", "workers.fetch_model"]
+# What the worker beside vLLM asks (it proxies streams and maps KV events; vLLM does the work),
+# taken out of the pod's share so that a vLLM pod fits the same nodes as a builtin one.
+VLLM_WORKER = {"cpu_millis": 1000, "memory_mib": 2048, "ephemeral_gib": 2}
+# /dev/shm for vLLM's processes (tensor-parallel NCCL, the engine's message queues): a
+# container's default 64 MiB is too small. Memory-backed, so it counts in vLLM's memory.
+VLLM_SHM = "2Gi"
+# Big models load for many minutes (weights from the volume into the GPUs, CUDA graphs,
+# torch.compile): 30 minutes before the kubelet gives up and restarts vLLM.
+VLLM_STARTUP_FAILURES = 180
 
 
 class ProviderError(Exception):
@@ -113,13 +162,26 @@ def worker_selector(spec: WorkerSpec) -> dict[str, str]:
 
 
 def gpu_count(spec: WorkerSpec) -> int:
-    """GPUs of one worker pod: `options["gpus"]` (a whole number, 1 or more), default 1; 0 on CPU."""
+    """GPUs of one worker pod, 0 on CPU: the deployment's `gpus_per_replica` (`spec.gpus`), or
+    its `resources.gpus` (`options["gpus"]`, the older spelling) when that is larger, so
+    neither asks less than the other; each a whole number, 1 or more."""
     if spec.gpu_type is None:
         return 0
-    gpus = spec.options.get("gpus", 1)
-    if isinstance(gpus, bool) or not isinstance(gpus, int | str) or not str(gpus).isdigit() or int(gpus) < 1:
-        raise ValueError(f"deployment {spec.deployment_id}: gpus must be a whole number of at least 1")
-    return int(gpus)
+    counts = [spec.gpus] + ([spec.options["gpus"]] if "gpus" in spec.options else [])
+    for gpus in counts:
+        if (
+            isinstance(gpus, bool)
+            or not isinstance(gpus, int | str)
+            or not str(gpus).isdigit()
+            or int(gpus) < 1
+        ):
+            raise ValueError(f"deployment {spec.deployment_id}: gpus must be a whole number of at least 1")
+    return max(int(g) for g in counts)
+
+
+def kv_events_config() -> str:
+    """vLLM's --kv-events-config: its ZMQ publisher on the pod-local socket."""
+    return vllm_args.kv_events_config(KV_EVENTS_ENDPOINT)
 
 
 def worker_share(spec: WorkerSpec, resources: Mapping[str, Mapping[str, int]] | None) -> dict[str, int]:
@@ -142,12 +204,31 @@ def worker_manifest(
     secret: str,
     resources: Mapping[str, Mapping[str, int]] | None = None,
     max_stream_seconds: int = MAX_STREAM_SECONDS,
+    vllm_image: str | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    max_lora_rank: int = 64,
 ) -> dict[str, Any]:
     """The Deployment that runs `replicas` workers of `spec` (the manifest contract).
 
     `resources` is TOKENMILL_WORKER_RESOURCES (per GPU type, one GPU's share);
-    `max_stream_seconds` is TOKENMILL_MAX_STREAM_SECONDS, which the grace period outlasts.
+    `max_stream_seconds` is TOKENMILL_MAX_STREAM_SECONDS, which the grace period outlasts;
+    `vllm_image` (TOKENMILL_VLLM_IMAGE), `block_size` (TOKENMILL_BLOCK_SIZE), `prefix_caching`
+    and `max_lora_rank` (TOKENMILL_PREFIX_CACHING, TOKENMILL_MAX_LORA_RANK) shape the pods of
+    `vllm` deployments.
     """
+    if spec.engine not in ENGINES:
+        raise ValueError(f"deployment {spec.deployment_id}: unknown engine {spec.engine!r}")
+    vllm = spec.engine == "vllm"
+    if vllm:
+        if spec.gpu_type is None:
+            # vLLM's image is its CUDA build; its CPU build serves local workers only.
+            raise ValueError(
+                f"deployment {spec.deployment_id}: a vllm deployment on Kubernetes needs a GPU type"
+            )
+        if vllm_image is None:
+            raise ValueError(f"deployment {spec.deployment_id}: a vllm deployment needs TOKENMILL_VLLM_IMAGE")
+        check_image_digest(vllm_image)
     labels = worker_labels(spec)
     gpu = spec.gpu_type is not None
     gpus = gpu_count(spec)
@@ -179,6 +260,52 @@ def worker_manifest(
     ]
     if gpu:
         env.append({"name": "TOKENMILL_GPU_TYPE", "value": spec.gpu_type})
+    mounts = [
+        {"name": "state", "mountPath": WORKER_HOME},
+        {"name": "model-cache", "mountPath": MODEL_CACHE},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "state", "emptyDir": {}},
+        {"name": "model-cache", "emptyDir": {"sizeLimit": cache}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    args = ["worker", "--model", spec.model]
+    init_containers: list[dict[str, Any]] = []
+    if vllm:
+        assert vllm_image is not None and spec.gpu_type is not None
+        # vLLM does the work with the pod's GPUs and the rest of its share; the worker beside it
+        # asks a fixed small part, so the pod as a whole asks what a builtin one does.
+        worker_size = _size(**VLLM_WORKER)
+        requests, limits = worker_size, _limits(worker_size)
+        args = ["worker", "--engine", "vllm", "--model", spec.model]
+        env += [
+            # vLLM's blocks are ours: the KV events it publishes map block for block.
+            {"name": "TOKENMILL_BLOCK_SIZE", "value": str(block_size)},
+            {"name": "TOKENMILL_VLLM_URL", "value": f"http://127.0.0.1:{VLLM_PORT}"},
+            {"name": "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT", "value": KV_EVENTS_ENDPOINT},
+            # What the worker sizes its adapter registry and request priorities by.
+            {"name": ENGINE_ARGS_ENV, "value": encode_engine_args(spec.engine_args)},
+        ]
+        mounts = [*mounts, {"name": "kv-events", "mountPath": KV_EVENTS_DIR}]
+        volumes += [
+            {"name": "vllm-home", "emptyDir": {}},
+            {"name": "vllm-tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": VLLM_SHM}},
+            {"name": "kv-events", "emptyDir": {}},
+        ]
+        init_containers = _vllm_init_containers(
+            spec,
+            _vllm_size(spec, share, units),
+            gpus=gpus,
+            image=image,
+            vllm_image=vllm_image,
+            secret=secret,
+            block_size=block_size,
+            flags=vllm_server_flags(
+                spec.engine_args, prefix_caching=prefix_caching, max_lora_rank=max_lora_rank
+            ),
+        )
 
     ready = {"httpGet": {"path": "/ready", "port": "http"}}  # workers.server.READY_PATH: no token
     container = {
@@ -186,7 +313,7 @@ def worker_manifest(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["tokenmill"],
-        "args": ["worker", "--model", spec.model],
+        "args": args,
         "env": env,
         "envFrom": [{"secretRef": {"name": secret}}],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
@@ -204,16 +331,8 @@ def worker_manifest(
             "failureThreshold": 6,
         },
         "resources": {"limits": limits, "requests": requests},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-        "volumeMounts": [
-            {"name": "state", "mountPath": WORKER_HOME},
-            {"name": "model-cache", "mountPath": MODEL_CACHE},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
     }
     pod: dict[str, Any] = {
         "serviceAccountName": SERVICE_ACCOUNT,
@@ -226,12 +345,9 @@ def worker_manifest(
             "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
-        "volumes": [
-            {"name": "state", "emptyDir": {}},
-            {"name": "model-cache", "emptyDir": {"sizeLimit": cache}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
+        "volumes": volumes,
     }
     if gpu:
         pod["nodeSelector"] = {LABEL_GPU_TYPE: spec.gpu_type}
@@ -252,6 +368,134 @@ def worker_manifest(
             "template": template,
         },
     }
+
+
+def _size(cpu_millis: int | str, memory_mib: int | str, ephemeral_gib: int) -> dict[str, str]:
+    """A container's requests; an int is millicores or MiB, a string an option's quantity."""
+    cpu = f"{cpu_millis}m" if isinstance(cpu_millis, int) else cpu_millis
+    memory = f"{memory_mib}Mi" if isinstance(memory_mib, int) else memory_mib
+    return {"cpu": cpu, "memory": memory, "ephemeral-storage": f"{ephemeral_gib}Gi"}
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _limits(requests: dict[str, str]) -> dict[str, str]:
+    # No CPU limit (throttling a busy worker helps nobody); memory and disk are hard limits.
+    return {k: v for k, v in requests.items() if k != "cpu"}
+
+
+def _vllm_size(spec: WorkerSpec, share: Mapping[str, int], units: int) -> dict[str, str]:
+    """vLLM's requests in a pod: `options["cpu"]`/`["memory"]`, else the pod's share less the
+    worker's (VLLM_WORKER); its disk always so."""
+    left = {key: units * share[key] - VLLM_WORKER[key] for key in VLLM_WORKER}
+    if min(left.values()) <= 0:
+        raise ValueError(
+            f"deployment {spec.deployment_id}: the {spec.gpu_type} share leaves nothing for vLLM "
+            f"beside the worker ({VLLM_WORKER})"
+        )
+    return _size(
+        str(spec.options["cpu"]) if "cpu" in spec.options else left["cpu_millis"],
+        str(spec.options["memory"]) if "memory" in spec.options else left["memory_mib"],
+        left["ephemeral_gib"],
+    )
+
+
+def _vllm_init_containers(
+    spec: WorkerSpec,
+    size: dict[str, str],
+    *,
+    gpus: int,
+    image: str,
+    vllm_image: str,
+    secret: str,
+    block_size: int,
+    flags: list[str],
+) -> list[dict[str, Any]]:
+    """`fetch-model`, then vLLM as a native sidecar (see the module docstring)."""
+    health = {
+        "exec": {
+            # vLLM listens on the loopback only, where the kubelet's httpGet cannot reach.
+            "command": ["python3", "-c", f"import urllib.request as r; r.urlopen('{VLLM_HEALTH}', timeout=4)"]
+        },
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+    }
+    fetch_model = {
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": FETCH_MODEL_COMMAND,
+        "args": [spec.model, MODEL_LINK],
+        "env": [
+            {"name": "TOKENMILL_HOME", "value": WORKER_HOME},
+            {"name": "TOKENMILL_MODEL_CACHE", "value": MODEL_CACHE},
+            {"name": "HOME", "value": WORKER_HOME},
+        ],
+        "envFrom": [{"secretRef": {"name": secret}}],  # the storage's URL and credentials
+        # Converting a GGUF takes memory: vLLM's size, which the pod holds anyway (an init
+        # container's request is not added to the others').
+        "resources": {"limits": _limits(size), "requests": size},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "state", "mountPath": WORKER_HOME},
+            {"name": "model-cache", "mountPath": MODEL_CACHE},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    server = {
+        "name": "vllm",
+        "image": vllm_image,
+        "imagePullPolicy": "IfNotPresent",
+        # A native sidecar: started before the worker, stopped only after it has drained.
+        "restartPolicy": "Always",
+        "command": VLLM_COMMAND,
+        "args": [
+            "--model",
+            MODEL_LINK,
+            # It checks no key and meters nothing: only the worker beside it may reach it.
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(VLLM_PORT),
+            "--block-size",
+            str(block_size),
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            kv_events_config(),
+            "--structured-outputs-config",
+            structured_outputs_config(),
+            "--disable-uvicorn-access-log",  # the probes' /health every 10 s
+            *flags,
+        ],
+        "env": [
+            {"name": "HOME", "value": VLLM_HOME},
+            # torch asks getpass for a user name, and uid 10001 has none in vLLM's image.
+            {"name": "USER", "value": "tokenmill"},
+            {"name": "HF_HUB_OFFLINE", "value": "1"},  # the weights are on the volume
+            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            # The worker loads and unloads LoRA adapters through vLLM's runtime endpoints.
+            {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"},
+        ],
+        "startupProbe": {**health, "failureThreshold": VLLM_STARTUP_FAILURES},
+        "livenessProbe": {**health, "failureThreshold": 6},
+        "resources": {"limits": {GPU_RESOURCE: str(gpus), **_limits(size)}, "requests": size},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "vllm-home", "mountPath": VLLM_HOME},
+            # Read-only: the model and the adapters the worker fetched, at the worker's paths.
+            {"name": "model-cache", "mountPath": MODEL_CACHE, "readOnly": True},
+            {"name": "vllm-tmp", "mountPath": "/tmp"},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "kv-events", "mountPath": KV_EVENTS_DIR},
+        ],
+    }
+    return [fetch_model, server]
 
 
 def worker_disruption_budget(spec: WorkerSpec, *, namespace: str) -> dict[str, Any]:
@@ -298,6 +542,12 @@ class KubernetesProvider:
     # TOKENMILL_WORKER_RESOURCES and TOKENMILL_MAX_STREAM_SECONDS (see worker_manifest).
     resources: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     max_stream_seconds: int = MAX_STREAM_SECONDS
+    # TOKENMILL_VLLM_IMAGE, TOKENMILL_BLOCK_SIZE, TOKENMILL_PREFIX_CACHING and
+    # TOKENMILL_MAX_LORA_RANK, for the pods of vllm deployments.
+    vllm_image: str | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
+    max_lora_rank: int = 64
     apps: client.AppsV1Api = field(init=False)
     core: client.CoreV1Api = field(init=False)
     policy: client.PolicyV1Api = field(init=False)
@@ -331,6 +581,10 @@ class KubernetesProvider:
             secret=settings.worker_secret,
             resources=settings.worker_resources,
             max_stream_seconds=math.ceil(settings.max_stream_seconds),
+            vllm_image=settings.vllm_image,
+            block_size=settings.block_size,
+            prefix_caching=settings.prefix_caching,
+            max_lora_rank=settings.max_lora_rank,
         )
 
     async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
@@ -342,6 +596,10 @@ class KubernetesProvider:
             secret=self.secret,
             resources=self.resources,
             max_stream_seconds=self.max_stream_seconds,
+            vllm_image=self.vllm_image,
+            block_size=self.block_size,
+            prefix_caching=self.prefix_caching,
+            max_lora_rank=self.max_lora_rank,
         )
         name = body["metadata"]["name"]
         # Before any worker pod: the API server refuses pods naming a missing PriorityClass.

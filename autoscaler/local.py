@@ -1,4 +1,8 @@
-"""LocalProcessProvider: workers as `tokenmill worker` subprocesses of this server."""
+"""LocalProcessProvider: workers as `tokenmill worker` subprocesses of this server.
+
+A vllm deployment's worker runs `tokenmill worker ... --engine vllm` with the deployment's
+engine arguments as JSON in `TOKENMILL_VLLM_ENGINE_ARGS` (tokenmill/vllm_args.py), from which
+it starts its vLLM server."""
 
 from __future__ import annotations
 
@@ -12,10 +16,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from autoscaler.providers import WorkerSpec
+from tokenmill.vllm_args import ENGINE_ARGS_ENV, encode_engine_args
 
 log = logging.getLogger("tokenmill.autoscaler.local")
 
@@ -52,19 +58,50 @@ class LocalProcessProvider:
     env: dict[str, str]
     drain_timeout: float = 600.0
     workers: dict[str, LocalWorker] = field(default_factory=dict)
+    # How `tokenmill` is run: this interpreter's, so workers run the server's code.
+    program: tuple[str, ...] = (sys.executable, "-m", "tokenmill.cli")
 
-    def start(self, deployment_id: str, model: str, gpu_type: str | None = None) -> LocalWorker:
-        worker_id = f"local-{uuid.uuid4().hex[:10]}"
+    def command(
+        self,
+        deployment_id: str,
+        model: str,
+        worker_id: str,
+        gpu_type: str | None = None,
+        *,
+        engine: str = "builtin",
+        engine_args: Mapping[str, Any] | None = None,
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of one worker."""
         cmd = [
-            sys.executable, "-m", "tokenmill.cli", "worker",
+            *self.program, "worker",
             "--model", model,
             "--deployment", deployment_id,
             "--worker-id", worker_id,
             "--exit-with-parent",
         ]  # fmt: skip
         env = {**os.environ, **self.env}
+        env.pop(ENGINE_ARGS_ENV, None)  # never this server's own, if it has one
         if gpu_type:
             env["TOKENMILL_GPU_TYPE"] = gpu_type  # its lifetime is billed at this GPU's price
+        if engine != "builtin":
+            # The worker starts vLLM with these (validated again there, then as flags).
+            cmd += ["--engine", engine]
+            env[ENGINE_ARGS_ENV] = encode_engine_args(engine_args or {})
+        return cmd, env
+
+    def start(
+        self,
+        deployment_id: str,
+        model: str,
+        gpu_type: str | None = None,
+        *,
+        engine: str = "builtin",
+        engine_args: Mapping[str, Any] | None = None,
+    ) -> LocalWorker:
+        worker_id = f"local-{uuid.uuid4().hex[:10]}"
+        cmd, env = self.command(
+            deployment_id, model, worker_id, gpu_type, engine=engine, engine_args=engine_args
+        )
         process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         worker = LocalWorker(worker_id, deployment_id, process)
         self.workers[worker_id] = worker
@@ -87,7 +124,13 @@ class LocalProcessProvider:
     async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
         kept = self._kept(spec.deployment_id)
         for _ in range(replicas - len(kept)):
-            self.start(spec.deployment_id, spec.model, spec.gpu_type)
+            self.start(
+                spec.deployment_id,
+                spec.model,
+                spec.gpu_type,
+                engine=spec.engine,
+                engine_args=spec.engine_args,
+            )
         if len(kept) > replicas:
             rank = {worker_id: i for i, worker_id in enumerate(victims)}
             # Named victims first, in order; then the newest (most likely still loading).

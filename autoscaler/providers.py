@@ -23,6 +23,10 @@ class WorkerSpec:
     model: str  # model source a worker loads: bundled:smollm2, store:<key>, a path
     kind: str = "generate"  # generate | embed
     gpu_type: str | None = None  # None: CPU
+    engine: str = "builtin"  # builtin | vllm
+    # Validated vLLM engine arguments (control_plane.catalog.engines), as `--flag value` options.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    gpus: int = 1  # GPUs one worker holds (gpus_per_replica); unused on CPU
     # Per-deployment extras from the deployment's config (resources, node selector...).
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -84,6 +84,9 @@ async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) ->
                     model=source,
                     kind=dep.kind,
                     gpu_type=dep.gpu_type,
+                    engine=dep.engine,
+                    engine_args=dict(dep.engine_args or {}),
+                    gpus=dep.gpus_per_replica,
                     options=dict((dep.config or {}).get("resources") or {}),
                 ),
                 policy_config(dep),
@@ -171,7 +174,12 @@ class Reconciler(Background):
             )
         await self._announce_departures()
         for want in desired.values():
-            await self._reconcile(want, now)
+            try:
+                await self._reconcile(want, now)
+            except ValueError as exc:
+                # One deployment the provider cannot build (a setting it needs is missing, a
+                # GPU type it has no size for) must not hold up every other deployment.
+                log.error("cannot reconcile deployment %s: %s", want.spec.deployment_id, exc)
 
     async def _announce_departures(self) -> None:
         """Publish the departures not published yet, oldest first; the rest wait for the next

@@ -1,7 +1,8 @@
 """Prefix-cache-aware routing against round robin, on a real local fleet.
 
-    .venv/bin/python -m bench.routing            # the full workload (about 5 minutes here)
-    .venv/bin/python -m bench.routing --quick    # a small one, to check that it runs
+    .venv/bin/python -m bench.routing                    # the full workload (about 5 minutes here)
+    .venv/bin/python -m bench.routing --quick            # a small one, to check that it runs
+    .venv/bin/python -m bench.routing --engine vllm      # the same on vLLM workers (about 12 minutes)
 
 For each routing policy a fresh stack is started: `tokenmill serve --no-worker` (gateway,
 admin API and the in-memory bus, in a temporary TOKENMILL_HOME) with TOKENMILL_ROUTING set,
@@ -13,6 +14,23 @@ organisation's system prompt plus a short varied question, greedy, `max_tokens` 
 prefill dominates) is sent by a few concurrent streaming clients. Measured: prefix-cache hit
 tokens (the sum of `usage.prompt_tokens_details.cached_tokens`, cross-checked against the
 workers' `vllm:prefix_cache_hits`) and the client-side time to the first content chunk.
+
+`--engine vllm` runs the three workers as `tokenmill worker --engine vllm` (vLLM's CPU build
+from `.venv-vllm`, `make vllm`), each bound to one core of its own (worker i on core i mod the
+cores there are) with 1 GiB of KV cache, fp32 and eager (no torch.compile), and blocks of 32
+tokens for the router and the workers alike (vLLM's CPU attention takes multiples of 32 only).
+Their prefix caches reach the router through vLLM's KV events, restated in our block hashes by
+workers/vllm/kv_events.py. 1 GiB of fp32 KV is 728 blocks here, 23,296 tokens: about eleven
+~2,000-token system prompts. What the comparison needs is a fleet whose combined cache holds
+every organisation's prompt while one worker's holds well under half of them, as in the
+builtin variant (eight prompts, pools of three): so 27 organisations with 2,048-token system
+prompts, 2.4 workers' worth of KV. Prefix-aware routing can keep nine organisations on each
+worker, all cached; round robin sends each organisation everywhere, so each worker cycles
+through all 27 and keeps a prompt only if its organisation came by recently, and every
+organisation also misses once on every worker rather than once in all. 216 requests (8 per
+organisation) make the first sights a small part of the prefix-aware run, as real traffic
+(many requests per tenant) would; far more requests per organisation would also shrink round
+robin's three first sights, far fewer would measure little but those.
 """
 
 from __future__ import annotations
@@ -23,6 +41,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -43,9 +62,38 @@ from tokenmill.settings import BUNDLED_MODEL
 from tokenmill.tokenization import Tokenizer
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 MODEL = BUNDLED_MODEL
 BLOCK_SIZE = 16  # the platform default; the router and the workers must agree
 STARTUP_TIMEOUT = 180.0  # seconds for the server and the workers to come up (model loads on 2 cores)
+
+# The vLLM variant. Its CPU attention takes blocks of a multiple of 32 tokens only.
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_BLOCK_SIZE = 32
+VLLM_KV_CACHE_GIB = 1  # per worker; vLLM's CPU backend takes whole GiB
+# fp32 as the builtin engine runs; eager skips minutes of torch.compile per worker at start.
+VLLM_ENGINE_ARGS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "seed": 0}
+# Three vLLM servers loading at once on 2 cores: 1-3 minutes each alone, more together.
+VLLM_STARTUP_TIMEOUT = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """What the workers run on, and the workload's defaults for it."""
+
+    name: str  # builtin | vllm
+    block_size: int
+    startup_timeout: float
+    orgs: int
+    prefix_tokens: int
+    requests: int
+    quick_orgs: int  # --quick: enough repeats in 24 requests for hits to show
+
+
+ENGINES = {
+    "builtin": Engine("builtin", BLOCK_SIZE, STARTUP_TIMEOUT, 8, 512, 96, 8),
+    "vllm": Engine("vllm", VLLM_BLOCK_SIZE, VLLM_STARTUP_TIMEOUT, 27, 2048, 216, 6),
+}
 
 # The words system prompts are made of: ordinary English, so the BPE tokenizer sees text
 # like a real policy document rather than noise. (A text block reads better than a
@@ -109,6 +157,7 @@ class PolicyRun:
     p50_ttft: float
     p90_ttft: float
     per_worker_requests: list[int] = field(default_factory=list)
+    kv_tokens: list[int | None] = field(default_factory=list)  # per worker, as vLLM logged it
 
 
 def system_prompt(tok: Tokenizer, rng: random.Random, org: str, tokens: int) -> str:
@@ -135,14 +184,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_bind(workers: int) -> list[int]:
+    """The core each vLLM worker binds its OpenMP thread to: worker i on the i-th allowed core,
+    round the cores again when there are more workers than cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[i % len(cpus)] for i in range(workers)]
+
+
 # --- the stack ------------------------------------------------------------------------------
 
 
 class Stack:
     """One server and its workers, all subprocesses of this benchmark, in a temporary home."""
 
-    def __init__(self, home: Path, cache: Path, policy: str, kv_cache_gib: float) -> None:
+    def __init__(self, home: Path, cache: Path, policy: str, kv_cache_gib: float, engine: Engine) -> None:
         self.home = home
+        self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
@@ -153,23 +210,39 @@ class Stack:
             "TOKENMILL_ROUTING": policy,
             "TOKENMILL_EMBED_MODEL": "",  # no embedding worker: only the chat fleet runs here
             "TOKENMILL_LOG_LEVEL": "WARNING",
-            "TOKENMILL_BLOCK_SIZE": str(BLOCK_SIZE),
+            "TOKENMILL_BLOCK_SIZE": str(engine.block_size),
             "TOKENMILL_KV_CACHE_GIB": repr(kv_cache_gib),
             "TOKENMILL_TORCH_THREADS": "1",  # 3 workers on 2 cores: more threads only contend
             "OMP_NUM_THREADS": "1",
         }
         for name in ("REDIS_URL", "DATABASE_URL", "TOKENMILL_REDIS_URL", "TOKENMILL_DATABASE_URL"):
             self.env.pop(name, None)  # the embedded mode: SQLite and the in-memory bus
+        if engine.name == "vllm":
+            self.env.update(
+                {
+                    "TOKENMILL_VLLM_VENV": str(VLLM_VENV),
+                    "TOKENMILL_VLLM_ENGINE_ARGS": json.dumps(VLLM_ENGINE_ARGS),
+                    "TOKENMILL_VLLM_STARTUP_TIMEOUT_SECONDS": repr(engine.startup_timeout),
+                }
+            )
+            for name in ("TOKENMILL_VLLM_URL", "TOKENMILL_VLLM_COMMAND", "VLLM_CPU_OMP_THREADS_BIND"):
+                self.env.pop(name, None)  # each worker starts its own vLLM, bound below
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[IO[bytes]] = []
         self.worker_urls: list[str] = []
+        self.worker_procs: list[subprocess.Popen[bytes]] = []
 
-    def _spawn(self, args: list[str], log_name: str, **kw: Any) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, args: list[str], log_name: str, env: dict[str, str] | None = None, **kw: Any
+    ) -> subprocess.Popen[bytes]:
         log = open(self.home / log_name, "wb")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
         kw.setdefault("stdout", log)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", *args], env=self.env, stderr=log, **kw
+            [sys.executable, "-m", "tokenmill.cli", *args],
+            env={**self.env, **(env or {})},
+            stderr=log,
+            **kw,
         )
         self.procs.append(proc)
         return proc
@@ -193,16 +266,42 @@ class Stack:
         secrets = json.loads((self.home / "secrets.json").read_text())
         self.env["TOKENMILL_INTERNAL_TOKEN"] = secrets["internal_token"]
         self.env["TOKENMILL_BUS_URL"] = f"{self.url}/internal/bus"
+        bind = cpu_bind(count)
         for i in range(count):
             port = free_port()
             self.worker_urls.append(f"http://127.0.0.1:{port}")
-            self._spawn(
-                [
-                    "worker", "--model", MODEL, "--deployment", deployment_id,
-                    "--worker-id", f"bench-w{i}", "--port", str(port), "--exit-with-parent",
-                ],
-                f"worker-{i}.log",
-            )  # fmt: skip
+            args = [
+                "worker", "--model", MODEL, "--deployment", deployment_id,
+                "--worker-id", f"bench-w{i}", "--port", str(port), "--exit-with-parent",
+                "--engine", self.engine.name,
+            ]  # fmt: skip
+            env = None
+            if self.engine.name == "vllm":
+                # Left to the worker, every vLLM would bind the first TOKENMILL_TORCH_THREADS
+                # cores of its affinity, i.e. all three core 0: one core each, in turn.
+                env = {"VLLM_CPU_OMP_THREADS_BIND": str(bind[i])}
+            self._spawn(args, f"worker-{i}.log", env)
+            self.worker_procs.append(self.procs[-1])
+
+    def worker_exits(self) -> list[tuple[int, int]]:
+        """(worker index, exit code) of the workers that have exited."""
+        return [(i, p.returncode) for i, p in enumerate(self.worker_procs) if p.poll() is not None]
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            text = (self.home / name).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def kv_tokens(self, i: int) -> int | None:
+        """The KV cache size (tokens) worker i's vLLM logged, None if it logged none."""
+        try:
+            text = (self.home / f"worker-{i}.log").read_text(errors="replace")
+        except OSError:
+            return None
+        found = re.search(r"KV cache size: ([\d,]+) tokens", text)
+        return int(found.group(1).replace(",", "")) if found else None
 
     def stop(self) -> None:
         # Workers first (they say goodbye on the server's bus), then the server.
@@ -218,14 +317,24 @@ class Stack:
             log.close()
 
 
-async def wait_until(what: str, check: Any, within: float = STARTUP_TIMEOUT) -> None:
+class StartError(RuntimeError):
+    """The server or its workers did not come up."""
+
+
+async def wait_until(
+    what: str, check: Any, within: float = STARTUP_TIMEOUT, failed: Any = lambda: None
+) -> None:
+    """Poll `check()` until true; `failed()` returning a message gives up at once."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
             if await check():
                 return
+        message = failed()
+        if message:
+            raise StartError(f"{what}: {message}")
         await asyncio.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {what}")
+    raise StartError(f"timed out after {within:.0f}s waiting for {what}")
 
 
 async def worker_counters(http: httpx.AsyncClient, url: str, token: str) -> dict[str, float]:
@@ -354,6 +463,7 @@ def copy_logs(home: Path, dest: Path, policy: str) -> None:
 
 async def run_policy(
     policy: str,
+    engine: Engine,
     cache: Path,
     kv_cache_gib: float,
     workers: int,
@@ -366,7 +476,7 @@ async def run_policy(
 ) -> tuple[PolicyRun, list[Result]]:
     with tempfile.TemporaryDirectory(prefix=f"tm-bench-{policy}-") as tmp:
         home = Path(tmp)
-        stack = Stack(home, cache, policy, kv_cache_gib)
+        stack = Stack(home, cache, policy, kv_cache_gib, engine)
         try:
             admin = await asyncio.to_thread(stack.start_server)
             async with httpx.AsyncClient(timeout=30.0) as http:
@@ -379,7 +489,21 @@ async def run_policy(
                     r = await http.get(f"{stack.url}/health")
                     return r.json().get("workers") == workers
 
-                await wait_until(f"{workers} workers in the gateway's fleet view", fleet_ready)
+                def worker_died() -> str | None:
+                    exits = stack.worker_exits()
+                    if not exits:
+                        return None
+                    i, code = exits[0]
+                    tail = stack.log_tail(f"worker-{i}.log")
+                    return f"worker {i} exited with {code}; the end of its log:\n{tail}"
+
+                await wait_until(
+                    f"{workers} workers in the gateway's fleet view",
+                    fleet_ready,
+                    engine.startup_timeout,
+                    worker_died,
+                )
+                kv_tokens = [stack.kv_tokens(i) for i in range(workers)]
                 # Warm each worker (first-call allocations) directly, with a prompt nobody
                 # shares: it leaves one or two unrelated blocks in each cache.
                 for w in stack.worker_urls:
@@ -391,9 +515,13 @@ async def run_policy(
                     )
                     r.raise_for_status()
                 orgs = await setup_orgs(http, stack.url, admin, systems)
+                # A vLLM worker serves vLLM's counters as of its last poll (every heartbeat,
+                # 1 s): read them only once a poll has seen everything.
+                settle = 2.5 if engine.name == "vllm" else 0.5
+                await asyncio.sleep(settle)
                 before = [await worker_counters(http, w, token) for w in stack.worker_urls]
                 results, wall = await drive(stack.url, workload(orgs, n, seed), concurrency, max_tokens)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(settle)
                 after = [await worker_counters(http, w, token) for w in stack.worker_urls]
         finally:
             await asyncio.to_thread(stack.stop)
@@ -413,6 +541,7 @@ async def run_policy(
         p50_ttft=ttfts[len(ttfts) // 2] if ttfts else float("nan"),
         p90_ttft=ttfts[int(len(ttfts) * 0.9)] if ttfts else float("nan"),
         per_worker_requests=[int(a["requests"] - b["requests"]) for a, b in zip(after, before, strict=True)],
+        kv_tokens=kv_tokens if engine.name == "vllm" else [],
     )
     return run, results
 
@@ -430,28 +559,46 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a small workload, to check that it runs")
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="builtin",
+        help="what the workers run on: our engine, or vLLM's CPU build (1 GiB of KV each)",
+    )
+    parser.add_argument("--requests", type=int, default=None, help="default: 96 builtin, 216 vllm")
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--orgs", type=int, default=8)
+    parser.add_argument("--orgs", type=int, default=None, help="default: 8 builtin, 27 vllm")
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--prefix-tokens", type=int, default=512, help="system prompt length")
-    parser.add_argument("--pool-prompts", type=float, default=3.0, help="KV pool size, in whole prompts")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=None,
+        help="system prompt length (default: 512 builtin, 2048 vllm)",
+    )
+    parser.add_argument(
+        "--pool-prompts", type=float, default=3.0, help="builtin: KV pool size, in whole prompts"
+    )
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--policies", default="round_robin,prefix")
     parser.add_argument("--cache", type=Path, default=Path("~/.tokenmill/models").expanduser())
     parser.add_argument("--logs", type=Path, default=None, help="keep the servers' and workers' logs here")
     args = parser.parse_args()
-    n = 24 if args.quick else args.requests
+    engine = ENGINES[args.engine]
+    n = 24 if args.quick else args.requests or engine.requests
+    n_orgs = args.orgs or (engine.quick_orgs if args.quick else engine.orgs)
+    prefix_tokens = args.prefix_tokens or engine.prefix_tokens
+    bs = engine.block_size
+    if engine.name == "vllm" and not (VLLM_VENV / ".installed").exists():
+        sys.exit(f"vLLM's CPU build is not installed in {VLLM_VENV}: run `make vllm`")
 
     model_dir = resolve_model(MODEL, args.cache)
     tok = Tokenizer.from_dir(model_dir)
     rng = random.Random(args.seed)
-    names = [f"org-{i:02d}" for i in range(args.orgs)]
-    systems = [(name, system_prompt(tok, rng, name, args.prefix_tokens)) for name in names]
+    names = [f"org-{i:02d}" for i in range(n_orgs)]
+    systems = [(name, system_prompt(tok, rng, name, prefix_tokens)) for name in names]
 
-    # Size the pool in blocks of a typical prompt (system + question + output), then express
-    # it as TOKENMILL_KV_CACHE_GIB, which the worker turns back into whole blocks.
+    # A typical prompt's footprint in blocks (system + question + output).
     from workers.engine.config import ModelConfig
     from workers.engine.kv_cache import block_bytes
 
@@ -460,44 +607,78 @@ def main() -> None:
             [{"role": "system", "content": systems[0][1]}, {"role": "user", "content": QUESTIONS[0]}]
         )
     )
-    prompt_blocks = -(-(len(example) + args.max_tokens) // BLOCK_SIZE)
-    pool_blocks = round(args.pool_prompts * prompt_blocks)
+    prompt_blocks = -(-(len(example) + args.max_tokens) // bs)
     import torch
 
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    per_block = block_bytes(cfg, BLOCK_SIZE, torch.float32)
-    kv_cache_gib = (pool_blocks + 0.5) * per_block / 2**30  # +0.5: rounding down lands on pool_blocks
+    per_block = block_bytes(cfg, bs, torch.float32)
+    if engine.name == "vllm":
+        # Fixed at 1 GiB; vLLM divides it into blocks of the same layout (fp32, all layers).
+        kv_cache_gib: float = VLLM_KV_CACHE_GIB
+        pool_blocks = VLLM_KV_CACHE_GIB * 2**30 // per_block
+        pool_prompts = pool_blocks / prompt_blocks
+    else:
+        # Size the pool in prompts, then express it as TOKENMILL_KV_CACHE_GIB, which the
+        # worker turns back into whole blocks.
+        pool_prompts = args.pool_prompts
+        pool_blocks = round(pool_prompts * prompt_blocks)
+        kv_cache_gib = (pool_blocks + 0.5) * per_block / 2**30  # +0.5: rounding down lands on pool_blocks
+    # The organisations' prompts in workers' worth of KV: above 1 a worker cannot hold them
+    # all (round robin thrashes), under `workers` the fleet can (prefix-aware need not).
+    working_set = n_orgs * prompt_blocks / pool_blocks
 
     runs: list[PolicyRun] = []
     details: dict[str, list[dict[str, Any]]] = {}
     for policy in args.policies.split(","):
-        with _status(f"{policy}: starting a server and {args.workers} workers, {n} requests..."):
-            run, results = asyncio.run(
-                run_policy(
-                    policy,
-                    args.cache,
-                    kv_cache_gib,
-                    args.workers,
-                    systems,
-                    n,
-                    args.seed,
-                    args.concurrency,
-                    args.max_tokens,
-                    args.logs,
+        with _status(
+            f"{policy}: starting a server and {args.workers} {engine.name} workers, {n} requests..."
+        ):
+            try:
+                run, results = asyncio.run(
+                    run_policy(
+                        policy,
+                        engine,
+                        args.cache,
+                        kv_cache_gib,
+                        args.workers,
+                        systems,
+                        n,
+                        args.seed,
+                        args.concurrency,
+                        args.max_tokens,
+                        args.logs,
+                    )
                 )
-            )
+            except StartError as exc:
+                print(f"\n{policy}: {exc}", file=sys.stderr)
+                sys.exit(1)
         runs.append(run)
         details[policy] = [asdict(r) for r in results]
         for r in results:
             if r.error:
                 print(f"  {policy}: {r.org}: {r.error}", file=sys.stderr)
+        logged = {t for t in run.kv_tokens if t is not None}
+        if logged and logged != {pool_blocks * bs}:
+            print(
+                f"  {policy}: vLLM logged KV caches of {sorted(logged)} tokens, not {pool_blocks * bs}",
+                file=sys.stderr,
+            )
 
-    print(
-        f"\nbench/routing.py  ({args.workers} workers x 1 thread, SmolLM2-135M fp32, KV pool {pool_blocks} "
-        f"blocks = {args.pool_prompts:g} prompts of {prompt_blocks} blocks; {args.orgs} orgs x "
-        f"{args.prefix_tokens}-token system prompt; {n} requests, {args.concurrency} concurrent, "
-        f"max_tokens {args.max_tokens})"
-    )
+    if engine.name == "vllm":
+        print(
+            f"\nbench/routing.py --engine vllm  ({args.workers} vLLM workers x 1 core, SmolLM2-135M fp32 "
+            f"eager, {VLLM_KV_CACHE_GIB} GiB KV each = {pool_blocks} blocks of {bs} = {pool_prompts:.1f} "
+            f"prompts of {prompt_blocks} blocks; {n_orgs} orgs x {prefix_tokens}-token system prompt = "
+            f"{working_set:.2f} workers' KV; {n} requests, {args.concurrency} concurrent, "
+            f"max_tokens {args.max_tokens})"
+        )
+    else:
+        print(
+            f"\nbench/routing.py  ({args.workers} workers x 1 thread, SmolLM2-135M fp32, KV pool "
+            f"{pool_blocks} blocks = {pool_prompts:g} prompts of {prompt_blocks} blocks; {n_orgs} orgs x "
+            f"{prefix_tokens}-token system prompt; {n} requests, {args.concurrency} concurrent, "
+            f"max_tokens {args.max_tokens})"
+        )
     header = ("policy", "hit tokens", "(workers)", "hit rate", "mean TTFT")
     header += ("p50", "p90", "wall", "per worker")
     print("  " + "  ".join(f"{h:>11}" for h in header))
@@ -528,17 +709,26 @@ def main() -> None:
             f"({summary['mean_ttft_round_robin_over_prefix']:.2f}x lower)"
         )
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("routing-quick.json" if args.quick else "routing.json")
+    stem = "routing" + ("-vllm" if engine.name == "vllm" else "") + ("-quick" if args.quick else "")
+    out = RESULTS / f"{stem}.json"
     out.write_text(
         json.dumps(
             {
+                "engine": engine.name,
                 "workload": {
+                    "engine": engine.name,
+                    "engine_args": VLLM_ENGINE_ARGS if engine.name == "vllm" else {},
                     "workers": args.workers,
                     "torch_threads": 1,
-                    "orgs": args.orgs,
-                    "prefix_tokens": args.prefix_tokens,
+                    "vllm_cpu_bind": cpu_bind(args.workers) if engine.name == "vllm" else [],
+                    "orgs": n_orgs,
+                    "prefix_tokens": prefix_tokens,
+                    "block_size": bs,
+                    "kv_cache_gib": kv_cache_gib,
                     "prompt_blocks": prompt_blocks,
                     "pool_blocks": pool_blocks,
+                    "pool_prompts": pool_prompts,
+                    "working_set_workers": working_set,
                     "requests": n,
                     "concurrency": args.concurrency,
                     "max_tokens": args.max_tokens,

@@ -10,7 +10,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Template
 
-from control_plane.catalog.models import Model
+from control_plane.catalog.engines import format_assignments, parse_assignments
+from control_plane.catalog.models import VLLM, Deployment, Model
 from control_plane.catalog.schemas import DeploymentCreate, DeploymentUpdate
 from control_plane.catalog.uploads import read_adapter_upload
 from control_plane.policy import Principal
@@ -142,6 +143,27 @@ async def delete_adapter(
 # --- deployments ----------------------------------------------------------------------------
 
 
+def engine_fields(fields: dict[str, str]) -> dict[str, Any]:
+    """The engine part of a deployment form: `engine`, `gpus_per_replica` (empty: the
+    default) and `engine_args`, one `name=value` a line, which only a vllm engine reads (with
+    builtin they are left out, so switching back drops them rather than failing on them)."""
+    body: dict[str, Any] = {}
+    if fields.get("engine"):
+        body["engine"] = fields["engine"]
+    gpus = form_int(fields.get("gpus_per_replica"), "gpus_per_replica")
+    if gpus is not None:
+        body["gpus_per_replica"] = gpus
+    if fields.get("engine") == VLLM and "engine_args" in fields:
+        body["engine_args"] = parse_assignments(fields["engine_args"].splitlines())
+    return body
+
+
+def _engine_summary(dep: Deployment) -> str:
+    n = dep.gpus_per_replica
+    gpus = f", {n} GPU{'' if n == 1 else 's'} per replica" if n else ""
+    return f"{dep.engine} engine{gpus}"
+
+
 @get("/deployments")
 async def deployments(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Template:
     admin = admin_of(request)
@@ -175,7 +197,7 @@ async def create_deployment(request: Request[Any, Any, Any], uow: NamedDependenc
             "gpu_type": fields.get("gpu_type") or None,
             "min_replicas": form_int(fields.get("min_replicas"), "min_replicas") or 0,
             "max_replicas": form_int(fields.get("max_replicas"), "max_replicas") or 1,
-        }
+        } | engine_fields(fields)
         dep = await uow.deployments.create_deployment(parse(body, DeploymentCreate), admin)
         created.append(dep.id)
         return f"Created dedicated deployment {dep.name}; use it as the model name."
@@ -195,6 +217,7 @@ async def _deployment_view(request: Request[Any, Any, Any], uow: UnitOfWork, dep
         "workers": workers,
         "model": model,
         "may_change": dep.org_id is not None or admin.is_platform_admin,
+        "engine_lines": format_assignments(dep.engine_args or {}),
         "org_name": (await org_names(uow.session, admin)).get(dep.org_id or "", ""),
     }
 
@@ -233,7 +256,11 @@ async def update_deployment(
                 change[name] = value
         if fields.get("status") in ("active", "stopped"):
             change["status"] = fields["status"]
+        change |= engine_fields(fields)
         await service.update_deployment(dep, parse(change, DeploymentUpdate), admin)
-        return f"Updated {dep.name}: {dep.min_replicas} to {dep.max_replicas} replicas, {dep.status}."
+        return (
+            f"Updated {dep.name}: {dep.min_replicas} to {dep.max_replicas} replicas, {dep.status}, "
+            f"{_engine_summary(dep)}."
+        )
 
     return await attempt(request, uow, f"/deployments/{dep_id}", act)

@@ -446,6 +446,23 @@ def model_cache() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest, model_cache: Path) -> Iterator[Any]:
+    """One vLLM server (the CPU build in .venv-vllm, serving the converted SmolLM2) for the
+    whole run: a `tests.vllm_server.RunningVllm`. Fails, never skips, without .venv-vllm."""
+    from tests.vllm_server import start_test_vllm
+
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-vllm-"))
+    running = start_test_vllm(model_cache, log_dir)
+    stop = _Cleanup(running.stop)
+    _record_backend(request.config, "vLLM", f"vLLM CPU (started in {running.start_seconds:.0f}s)")
+    try:
+        yield running
+    finally:
+        stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------------------------
 # Hooks
 # --------------------------------------------------------------------------------------------

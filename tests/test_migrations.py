@@ -7,13 +7,16 @@ so they go through `asyncio.to_thread` to stay off pytest-asyncio's session loop
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
+from advanced_alchemy.types import DateTimeUTC
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, text
+from sqlalchemy import JSON, Integer, column, insert, inspect, select, table, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.expression import TableClause
 
 import billing.models  # noqa: F401  (registers its tables on Base.metadata)
 import control_plane.audit.models
@@ -90,3 +93,76 @@ async def test_migrations_match_models(db_url: str) -> None:
     finally:
         await engine.dispose()
     assert diff == [], "models and migrations disagree; add a revision:\n" + "\n".join(map(repr, diff))
+
+
+DATETIME = DateTimeUTC(timezone=True)
+
+
+def _table(name: str, *names: str, **typed: Any) -> TableClause:
+    """Enough of a table, as the revision under test left it, to write and read rows."""
+    return table(name, *(column(n) for n in names), *(column(n, t) for n, t in typed.items()))
+
+
+async def test_0008_moves_the_gpu_count_into_its_column_and_back(db_url: str) -> None:
+    """Deployments that existed keep the GPUs 0007 computed (`resources.gpus`, 1 by default,
+    none on CPU), now in `gpus_per_replica`, on the builtin engine; worker lifetimes keep the
+    one GPU they were billed as. A downgrade writes the count back where 0007 reads it."""
+    await asyncio.to_thread(migrations.upgrade, db_url, "0007")
+    now = datetime.now(UTC)
+    models = _table(
+        "models", "id", "name", "source", "format", "kind", context_length=Integer(), created_at=DATETIME
+    )
+    deployments = _table(
+        "deployments", "id", "name", "model_id", "kind", "type", "gpu_type", "status", "engine",
+        min_replicas=Integer(), max_replicas=Integer(), gpus_per_replica=Integer(), config=JSON(),
+        engine_args=JSON(), created_at=DATETIME,
+    )  # fmt: skip
+    workers = _table("workers", "id", "deployment_id", "address", "model", "status", started_at=DATETIME)
+    configs = {
+        "dep_four": ("a100", {"resources": {"gpus": 4, "memory": "64Gi"}, "adapters": ["x"]}),
+        "dep_one": ("a100", {"autoscaling": {"target_concurrency": 2}}),
+        "dep_cpu": (None, None),
+        "dep_odd": ("a100", {"resources": {"gpus": "lots"}}),
+    }
+    engine = make_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                insert(models).values(
+                    id="model_m", name="m", source="x", format="hf", kind="generate", context_length=2048,
+                    created_at=now,
+                )
+            )  # fmt: skip
+            for dep_id, (gpu, config) in configs.items():
+                await conn.execute(
+                    insert(deployments).values(
+                        id=dep_id, name=dep_id, model_id="model_m", kind="generate", type="dedicated",
+                        gpu_type=gpu, status="active", min_replicas=1, max_replicas=1, config=config,
+                        created_at=now,
+                    )
+                )  # fmt: skip
+            await conn.execute(
+                insert(workers).values(
+                    id="w1", deployment_id="dep_four", address="http://w", model="m", status="stopped",
+                    started_at=now,
+                )
+            )  # fmt: skip
+        await asyncio.to_thread(migrations.upgrade, db_url, "0008")
+        d = deployments.c
+        async with engine.connect() as conn:
+            rows = await conn.execute(select(d.id, d.engine, d.engine_args, d.gpus_per_replica, d.config))
+            assert {r[0]: tuple(r[1:]) for r in rows} == {
+                "dep_four": ("builtin", {}, 4, {"resources": {"memory": "64Gi"}, "adapters": ["x"]}),
+                "dep_one": ("builtin", {}, 1, {"autoscaling": {"target_concurrency": 2}}),
+                "dep_cpu": ("builtin", {}, 0, None),
+                "dep_odd": ("builtin", {}, 1, None),
+            }
+            assert (await conn.execute(text("SELECT gpus FROM workers"))).scalar_one() == 1
+        await asyncio.to_thread(migrations.downgrade, db_url, "0007")
+        async with engine.connect() as conn:
+            back = {r[0]: r[1] for r in await conn.execute(select(d.id, d.config))}
+            assert back["dep_four"] == {"resources": {"memory": "64Gi", "gpus": 4}, "adapters": ["x"]}
+            assert back["dep_one"] == {"autoscaling": {"target_concurrency": 2}}
+            assert back["dep_cpu"] is None
+    finally:
+        await engine.dispose()

@@ -370,6 +370,14 @@ def _run_server(settings: Settings, parts: Parts, *, uvloop: bool = False) -> No
     help="Worker id [env TOKENMILL_WORKER_ID; default generated].",
 )
 @click.option("--exit-with-parent", is_flag=True, help="Exit when the parent process exits.")
+@click.option(
+    "--engine",
+    type=click.Choice(["builtin", "vllm"]),
+    envvar="TOKENMILL_WORKER_ENGINE",
+    help="What generates: our engine (builtin, the default) or a vLLM OpenAI server, started as a "
+    "child process (TOKENMILL_VLLM_COMMAND, TOKENMILL_VLLM_ENGINE_ARGS) or reached at "
+    "TOKENMILL_VLLM_URL [env TOKENMILL_WORKER_ENGINE].",
+)
 def worker(
     model: str | None,
     deployment_id: str | None,
@@ -377,9 +385,10 @@ def worker(
     port: int | None,
     worker_id: str | None,
     exit_with_parent: bool,
+    engine: str | None,
 ) -> None:
     """Run one model worker; it joins the fleet through the bus."""
-    settings = _settings(model=model, worker_host=host, worker_port=port)
+    settings = _settings(model=model, worker_host=host, worker_port=port, worker_engine=engine)
     if not settings.worker_credential:
         _fail("set TOKENMILL_WORKER_TOKEN or TOKENMILL_INTERNAL_TOKEN (workers need a token)", 2)
     from workers.main import run_worker
@@ -635,9 +644,45 @@ def deployments() -> None:
 
 
 def _print_deployment(dep: Any) -> None:
+    """id, name, owner, engine, engine args (JSON), GPU type, GPUs per replica, replicas, status."""
+    import json
+
     replicas = f"{dep.min_replicas}-{dep.max_replicas}"
     owner = dep.org_id or "(serverless)"
-    click.echo(f"{dep.id}\t{dep.name}\t{owner}\t{dep.gpu_type or '-'}\t{replicas}\t{dep.status}")
+    args = json.dumps(dep.engine_args or {}, separators=(",", ":"))
+    click.echo(
+        f"{dep.id}\t{dep.name}\t{owner}\t{dep.engine}\t{args}\t{dep.gpu_type or '-'}\t"
+        f"{dep.gpus_per_replica}\t{replicas}\t{dep.status}"
+    )
+
+
+def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--engine, --engine-arg and --gpus-per-replica, alike on create and update."""
+    fn = click.option(
+        "--gpus-per-replica",
+        type=int,
+        default=None,
+        help="GPUs one worker holds [default: tensor x pipeline parallel size; 0 without a GPU type].",
+    )(fn)
+    fn = click.option(
+        "--engine-arg",
+        "engine_args",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="A vLLM engine argument, e.g. tensor_parallel_size=2 (repeat; replaces them all).",
+    )(fn)
+    return click.option(
+        "--engine", type=click.Choice(["builtin", "vllm"]), default=None, help="[default: builtin]"
+    )(fn)
+
+
+def _engine_body(engine: str | None, engine_args: tuple[str, ...], gpus: int | None) -> dict[str, Any]:
+    from control_plane.catalog.engines import parse_assignments
+
+    body: dict[str, Any] = {"engine": engine, "gpus_per_replica": gpus}
+    if engine_args:
+        body["engine_args"] = parse_assignments(engine_args)
+    return body
 
 
 @deployments.command("create")
@@ -650,6 +695,7 @@ def _print_deployment(dep: Any) -> None:
 @click.option("--max-replicas", type=int, default=None, help="[default: 1]")
 @click.option("--status", type=click.Choice(["active", "stopped"]), default=None, help="[default: active]")
 @click.option("--adapter", "adapters", multiple=True, help="Adapter id to pin (repeat).")
+@_engine_options
 def create_deployment(
     name: str,
     model: str,
@@ -660,6 +706,9 @@ def create_deployment(
     max_replicas: int | None,
     status: str | None,
     adapters: tuple[str, ...],
+    engine: str | None,
+    engine_args: tuple[str, ...],
+    gpus_per_replica: int | None,
 ) -> None:
     """Create a deployment; prints it as `list` does."""
     from control_plane.catalog.schemas import DeploymentCreate
@@ -670,6 +719,7 @@ def create_deployment(
         body = {"name": name, "model": model, "type": kind, "org_id": org_id, "gpu_type": gpu_type}
         body |= {"min_replicas": min_replicas, "max_replicas": max_replicas, "status": status}
         body["adapters"] = list(adapters)
+        body |= _engine_body(engine, engine_args, gpus_per_replica)
         return await unit.deployments.create_deployment(_body(body, DeploymentCreate), SYSTEM)
 
     _print_deployment(_admin_run(go))
@@ -681,22 +731,36 @@ def create_deployment(
 @click.option("--min-replicas", type=int, default=None)
 @click.option("--max-replicas", type=int, default=None)
 @click.option("--status", type=click.Choice(["active", "stopped"]), default=None)
+@_engine_options
+@click.option("--clear-engine-args", is_flag=True, help="Remove every vLLM engine argument.")
 def update_deployment(
     deployment_id: str,
     gpu_type: str | None,
     min_replicas: int | None,
     max_replicas: int | None,
     status: str | None,
+    engine: str | None,
+    engine_args: tuple[str, ...],
+    gpus_per_replica: int | None,
+    clear_engine_args: bool,
 ) -> None:
-    """Change a deployment's GPU type, replicas or status; prints it as `list` does."""
+    """Change a deployment's GPU type, replicas, status, engine, engine arguments or GPUs per
+    replica; prints it as `list` does."""
     from control_plane.catalog.schemas import DeploymentUpdate
     from control_plane.policy import SYSTEM
+
+    if clear_engine_args and engine_args:
+        _fail("--clear-engine-args and --engine-arg contradict each other", 2)
 
     async def go(unit: UnitOfWork, _: Settings) -> Any:
         dep = await unit.deployments.visible(deployment_id, SYSTEM)
         body = {"gpu_type": gpu_type, "min_replicas": min_replicas, "max_replicas": max_replicas}
         body["status"] = status
-        return await unit.deployments.update_deployment(dep, _body(body, DeploymentUpdate), SYSTEM)
+        body |= _engine_body(engine, engine_args, gpus_per_replica)
+        update = _body(body, DeploymentUpdate)
+        if clear_engine_args:
+            update.engine_args = {}
+        return await unit.deployments.update_deployment(dep, update, SYSTEM)
 
     _print_deployment(_admin_run(go))
 
@@ -704,7 +768,8 @@ def update_deployment(
 @deployments.command("list")
 @click.option("--org", "org_ref", help="Only this organisation's dedicated deployments (id or name).")
 def list_deployments(org_ref: str | None) -> None:
-    """Every deployment (or an organisation's): id, name, owner, GPU type, replicas, status."""
+    """Every deployment (or an organisation's): id, name, owner, engine, engine arguments,
+    GPU type, GPUs per replica, replicas, status."""
     from control_plane.policy import SYSTEM
 
     async def go(unit: UnitOfWork, _: Settings) -> Any:

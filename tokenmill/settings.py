@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 from functools import cached_property
@@ -22,6 +23,19 @@ from tokenmill.clients import check_trusted_proxies
 
 BUNDLED_MODEL = "bundled:smollm2"
 BUNDLED_EMBED_MODEL = "bundled:minilm"
+# vLLM's CUDA image for `vllm` deployments on Kubernetes: an immutable digest, never a tag alone.
+VLLM_IMAGE = (
+    "vllm/vllm-openai:v0.31.0@sha256:c1c9f6fd5c109ba7f0546a59f5b2f15fb87f64c77782e90a27b648b42a8e67c3"
+)
+_DIGEST_PINNED = re.compile(r"^[a-z0-9][^\s@]*@sha256:[0-9a-f]{64}$")
+
+
+def check_image_digest(image: str) -> str:
+    """An image reference pinned by digest (`name[:tag]@sha256:<64 hex>`): a tag can be moved,
+    and a pod must run the same bytes on every node and after every restart."""
+    if not _DIGEST_PINNED.match(image):
+        raise ValueError(f"{image!r} must be pinned by digest: name[:tag]@sha256:<64 hex digits>")
+    return image
 
 
 class Settings(BaseSettings):
@@ -265,6 +279,47 @@ class Settings(BaseSettings):
     lora_backend: str | None = Field(
         default=None, description="`torch` or `triton` for LoRA; default: Triton on CUDA, PyTorch on CPU."
     )
+    # --- vLLM workers (issue 17): `tokenmill worker --engine vllm` generates through vLLM's
+    # OpenAI server, started as a child process or reached at a URL, and is the same worker
+    # toward the fleet. ---------------------------------------------------------------------
+    worker_engine: Literal["builtin", "vllm"] = Field(
+        default="builtin",
+        description="What a generate worker runs on: `builtin` (our engine) or `vllm` (a vLLM OpenAI "
+        "server, for what outgrows ours: several GPUs per replica, other architectures, quantized "
+        "weights).",
+    )
+    vllm_url: str | None = Field(
+        default=None,
+        description="A vLLM worker's vLLM server, already running (e.g. a container beside it); unset: "
+        "the worker starts one as a child process (TOKENMILL_VLLM_COMMAND).",
+    )
+    vllm_command: str | None = Field(
+        default=None,
+        description="Command (shell words) that starts vLLM's OpenAI server; the worker appends the "
+        "model, port, block size, KV events and engine flags. Default `<TOKENMILL_VLLM_VENV>/bin/python "
+        "-m vllm.entrypoints.openai.api_server`.",
+    )
+    vllm_venv: Path = Field(
+        default=Path(".venv-vllm"), description="Virtual environment holding vLLM (`make vllm`)."
+    )
+    vllm_engine_args: str | None = Field(
+        default=None,
+        description="A vLLM deployment's engine arguments as a JSON object (tokenmill/vllm_args.py's "
+        "allowlist, e.g. tensor_parallel_size, quantization, max_model_len), rendered as vLLM flags.",
+    )
+    vllm_startup_timeout_seconds: float = Field(
+        default=900.0,
+        gt=0,
+        description="How long a vLLM worker waits for its vLLM server to answer /health (a first start "
+        "compiles the model for minutes).",
+    )
+    vllm_kv_events_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ endpoint of the KV events of the vLLM server at TOKENMILL_VLLM_URL (started "
+        'with --kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557"}\' and this `tcp://127.0.0.1:5557`); unset: that worker publishes no KV events. '
+        "A child server's endpoint is chosen by the worker.",
+    )
     autoscaler: Literal["local", "kubernetes", "none"] = Field(
         default="local",
         description="Who starts workers for the deployments: `local` (subprocesses of `serve` or "
@@ -307,6 +362,12 @@ class Settings(BaseSettings):
         description="Per GPU type, one GPU's share of a worker pod on Kubernetes (a pod with n GPUs "
         'asks n times it), as JSON: {"a10g": {"cpu_millis": 7500, "memory_mib": 28672, '
         '"ephemeral_gib": 80, "model_cache_gib": 60}}; infra/terraform derives it from the node types.',
+    )
+    # --- vLLM worker pods on Kubernetes (issue 17): vLLM's own image beside the worker's.
+    vllm_image: Annotated[str, AfterValidator(check_image_digest)] = Field(
+        default=VLLM_IMAGE,
+        description="vLLM's OpenAI server image, pinned by sha256 digest, that runs beside the worker "
+        "image in the Kubernetes pods of `vllm` deployments (the worker image does not bundle vLLM).",
     )
     app_database_url: str | None = Field(
         default=None,

@@ -7,6 +7,11 @@ in-flight streams finish) and says goodbye. It never talks to the database.
 The model decides the kind of worker: a generative model runs on the engine (and its
 prefix-cache changes go out as KV events); an embedding model (a sentence-transformers or
 BERT directory, e.g. `bundled:minilm`) runs on the batched encoder and serves /embed.
+
+With `--engine vllm` (TOKENMILL_WORKER_ENGINE) a generative model runs on a vLLM OpenAI
+server instead (workers/vllm/): the worker starts it as a child process, or reaches it at
+TOKENMILL_VLLM_URL, and is the same worker toward the fleet. Its child is stopped after the
+worker has drained; if the child exits first, the worker leaves the fleet and exits with 1.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -36,12 +41,14 @@ from tokenmill.protocol import KV, WORKERS, Heartbeat, KvEvents, WorkerAnnounce,
 from tokenmill.request_limits import RequestLimits
 from tokenmill.settings import Settings
 from tokenmill.storage import open_storage
+from tokenmill.vllm_args import EngineArgError, decode_engine_args
 from workers.server import Generator, Load, RecentTtft, WorkerInfo, create_app
 
 if TYPE_CHECKING:
     from workers.encoder import EmbedBatcher
     from workers.engine import EngineConfig
     from workers.generator import EngineGenerator
+    from workers.vllm.generator import VllmGenerator
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +144,12 @@ def run_worker(
     except BusConfigError as exc:
         log.error("%s", exc)
         return 2
+    if settings.worker_engine == "vllm":
+        try:
+            decode_engine_args(settings.vllm_engine_args)
+        except EngineArgError as exc:
+            log.error("%s", exc)
+            return 2
     try:
         sock = bind(host, port)
     except OSError as exc:
@@ -148,9 +161,10 @@ def run_worker(
         raise _Stop
 
     previous = {sig: signal.signal(sig, stop_loading) for sig in (signal.SIGTERM, signal.SIGINT)}
-    generator: EngineGenerator | None = None
+    generator: EngineGenerator | VllmGenerator | None = None
+    vllm: VllmGenerator | None = None
     embedder: EmbedBatcher | None = None
-    backend: EngineGenerator | EmbedBatcher
+    backend: EngineGenerator | VllmGenerator | EmbedBatcher
     try:
         name = model_name(model)
         try:
@@ -169,7 +183,19 @@ def run_worker(
         if is_embedding_model(model_dir):
             from workers.encoder import EmbedBatcher, Encoder
 
+            if settings.worker_engine == "vllm":
+                log.info("%s is an embedding model: it runs on the built-in encoder, not vLLM", name)
             backend = embedder = EmbedBatcher(Encoder(model_dir))
+        elif settings.worker_engine == "vllm":
+            from workers.vllm.server import VllmStartError
+            from workers.vllm.worker import vllm_generator
+
+            try:
+                backend = generator = vllm = vllm_generator(settings, model_dir, name)
+            except VllmStartError as exc:
+                log.error("%s", exc)
+                sock.close()
+                return 1
         else:
             from workers.adapters import AdapterFetcher
             from workers.generator import EngineGenerator
@@ -182,6 +208,8 @@ def run_worker(
                 process=True,
             )
         kind = "embed" if embedder is not None else "generate"
+        if settings.worker_engine == "vllm" and embedder is None:
+            kind += " on vLLM"
         log.info("loaded %s (%s) from %s in %.1fs", name, kind, model_dir, time.perf_counter() - started)
     except _Stop:
         log.info("stopped while loading")
@@ -230,6 +258,8 @@ def run_worker(
                 ttft,
                 generator,
                 parent_pid if exit_with_parent else None,
+                background=vllm.run if vllm is not None else None,
+                closing=vllm.aclose if vllm is not None else None,
             )
         )
     finally:
@@ -247,10 +277,16 @@ async def _serve(
     ttft: RecentTtft,
     generator: Generator | None,
     parent_pid: int | None,
+    *,
+    background: Callable[[], Awaitable[None]] | None = None,
+    closing: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
-    """Serve until told to stop; `generator` is None on an embed worker (no KV events)."""
+    """Serve until told to stop; `generator` is None on an embed worker (no KV events).
+    `background`: the backend's own work while serving (a vLLM worker's pollers and child
+    watch); if it ends, the worker drains and exits with 1. `closing`: awaited at the end."""
     loop = asyncio.get_running_loop()
     draining = asyncio.Event()
+    exit_code = 0
 
     def on_signal(signum: int) -> None:
         if draining.is_set() and signum == signal.SIGINT:
@@ -278,6 +314,21 @@ async def _serve(
         tasks.append(asyncio.create_task(_publish_kv(publisher, settings, identity, generator)))
     if parent_pid is not None:
         tasks.append(asyncio.create_task(_watch_parent(parent_pid, server, draining)))
+    if background is not None:
+
+        def backend_ended(task: asyncio.Task[None]) -> None:
+            nonlocal exit_code
+            if task.cancelled():
+                return
+            exc = task.exception()
+            log.error("the backend stopped (%s): leaving the fleet", exc or "no reason given")
+            exit_code = 1
+            draining.set()
+            server.should_exit = True
+
+        watch = asyncio.create_task(background())
+        watch.add_done_callback(backend_ended)
+        tasks.append(watch)
     try:
         await serving
     finally:
@@ -290,7 +341,9 @@ async def _serve(
                 break
             await asyncio.sleep(0.5)
         await _close(publisher)
-    return 0
+        if closing is not None:
+            await closing()
+    return exit_code
 
 
 async def _publish(
@@ -303,7 +356,8 @@ async def _publish(
 ) -> bool:
     """Publish on the bus; failures (bus not up yet, network) are logged, never raised."""
     try:
-        await asyncio.wait_for(publisher.publish(stream, event), timeout=max(settings.heartbeat_seconds, 2.0))
+        async with asyncio.timeout(max(settings.heartbeat_seconds, 2.0)):
+            await publisher.publish(stream, event)
         return True
     except Exception as exc:
         # Warn once per outage; the next beat retries anyway.
@@ -362,7 +416,8 @@ async def _beat(
         if announced and not was_draining:
             # Beat early when draining starts, so that gateways stop routing here at once.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(draining.wait(), timeout=settings.heartbeat_seconds)
+                async with asyncio.timeout(settings.heartbeat_seconds):
+                    await draining.wait()
         else:
             await asyncio.sleep(settings.heartbeat_seconds)
 

@@ -164,7 +164,8 @@ async def _gpu_usage(
 ) -> None:
     """GPU-seconds of dedicated deployments in [start, end): each worker's lifetime (start to
     stop; to its last heartbeat when it was lost or is still running, so no unseen time is
-    ever billed), clipped to each hour and priced at the GPU-hour price then in effect."""
+    ever billed) times the GPUs it held (its deployment's gpus_per_replica when it joined),
+    clipped to each hour and priced at the GPU-hour price then in effect."""
     until = func.coalesce(Worker.stopped_at, Worker.last_seen_at, Worker.started_at)
     stmt = (
         select(
@@ -172,6 +173,7 @@ async def _gpu_usage(
             Worker.stopped_at,
             Worker.last_seen_at,
             Worker.gpu_type,
+            Worker.gpus,
             Deployment.id,
             Deployment.org_id,
             Deployment.gpu_type,
@@ -193,7 +195,7 @@ async def _gpu_usage(
         return
     changes = await _price_changes(session, Price.gpu_type.is_not(None), start, end)
     prices: dict[tuple[str, datetime], Price | None] = {}
-    for started, stopped, seen, worker_gpu, dep_id, org, dep_gpu, model in lifetimes:
+    for started, stopped, seen, worker_gpu, gpus, dep_id, org, dep_gpu, model in lifetimes:
         lo = max(as_utc(started), start)
         hi = min(as_utc(stopped or seen or started), end)
         gpu = dep_gpu or worker_gpu or ""
@@ -207,7 +209,7 @@ async def _gpu_usage(
                 prices[gpu, stretch] = await price_at(session, gpu_type=gpu, at=t) if gpu else None
             price = prices[gpu, stretch]
             key = (org, floor_hour(t), dep_id, model, "", "gpu_seconds", price.id if price else "")
-            _add(rows, key, _seconds(nxt - t), price)
+            _add(rows, key, _seconds(nxt - t) * gpus, price)
             t = nxt
 
 

@@ -45,6 +45,9 @@ def deployment_out(dep: Deployment) -> DeploymentOut:
         adapters=deployment_adapters(dep),
         created_at=dep.created_at,
         autoscaling=msgspec.convert((dep.config or {}).get("autoscaling", {}), Autoscaling),
+        engine=dep.engine,
+        engine_args=dict(dep.engine_args or {}),
+        gpus_per_replica=dep.gpus_per_replica,
     )
 
 
@@ -113,7 +116,9 @@ class DeploymentController(Controller):
         deployments: NamedDependency[DeploymentService],
     ) -> DeploymentOut:
         """A dedicated one needs a `gpu_type` from the price book and must fit its
-        organisation's quotas (`max_dedicated_replicas`, `max_gpus` of its plan)."""
+        organisation's quotas (`max_dedicated_replicas`, `max_gpus` of its plan, counting
+        `gpus_per_replica` per replica). `engine: vllm` runs it on vLLM with `engine_args`
+        from an allowlist; `gpus_per_replica` defaults to tensor x pipeline parallel size."""
         return deployment_out(await deployments.create_deployment(data, admin))
 
     @get("/{deployment_id:str}")

@@ -1,9 +1,11 @@
 """Deployments: the shared serverless ones (platform admins) and organisations' dedicated ones.
 
 The rules of a dedicated deployment, whoever asks (admin API, dashboard, CLI): its GPU type
-is in the price book (it is billed by GPU-hour), it fits its organisation's quotas, its name
-is unique in its organisation and no serverless model's, and it runs only while its
-organisation is not suspended (a suspension holds it at zero replicas, `hold_deployments`).
+is in the price book (it is billed by GPU-hour), it fits its organisation's quotas (replicas,
+and GPUs: `gpus_per_replica` x `max_replicas`), its name is unique in its organisation and no
+serverless model's, and it runs only while its organisation is not suspended (a suspension
+holds it at zero replicas, `hold_deployments`). Every deployment's engine, engine arguments and
+GPUs per replica follow catalog/engines.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from control_plane.audit.services import delete_recorded, record_change, snapshot
 from control_plane.catalog.config import CatalogConfig
-from control_plane.catalog.models import ACTIVE, STOPPED, SUSPENDED, Adapter, Deployment, Worker
+from control_plane.catalog.engines import choose_engine
+from control_plane.catalog.models import ACTIVE, STOPPED, SUSPENDED, VLLM, Adapter, Deployment, Model, Worker
 from control_plane.catalog.services import model_ref
 from control_plane.common import changes as changes_of
 from control_plane.common import flush_unique, not_found
@@ -38,21 +41,12 @@ if TYPE_CHECKING:
     from control_plane.catalog.schemas import DeploymentCreate, DeploymentUpdate
 
 
-def gpus_per_replica(dep: Deployment) -> int:
-    """GPUs one worker of `dep` holds: none without a GPU type, else `resources.gpus` of its
-    config (what the Kubernetes provider asks for), 1 by default."""
-    if dep.gpu_type is None:
-        return 0
-    gpus = ((dep.config or {}).get("resources") or {}).get("gpus", 1)
-    return int(gpus) if isinstance(gpus, int | str) and str(gpus).isdigit() and int(gpus) > 0 else 1
-
-
 def _footprint(dep: Deployment) -> tuple[int, int]:
     """(replicas, GPUs) a deployment may take at most, against its organisation's quotas; a
     stopped one takes nothing, a suspended one keeps its place for when it resumes."""
     if dep.status == STOPPED:
         return 0, 0
-    return dep.max_replicas, dep.max_replicas * gpus_per_replica(dep)
+    return dep.max_replicas, dep.max_replicas * dep.gpus_per_replica
 
 
 def _check_replicas(low: int, high: int) -> None:
@@ -167,6 +161,14 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
         config: dict[str, Any] = {"adapters": adapters} if adapters else {}
         if data.autoscaling is not None and (scaling := msgspec.to_builtins(data.autoscaling)):
             config["autoscaling"] = scaling
+        engine = choose_engine(
+            data.engine,
+            data.engine_args,
+            data.gpus_per_replica,
+            gpu_type=data.gpu_type,
+            kind=model.kind,
+            context_length=model.context_length,
+        )
         dep = Deployment(
             name=data.name,
             model_id=model.id,
@@ -178,6 +180,9 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
             max_replicas=data.max_replicas,
             status=data.status,
             config=config or None,
+            engine=engine.engine,
+            engine_args=engine.engine_args,
+            gpus_per_replica=engine.gpus_per_replica,
         )
         if org is not None:
             await self._check_gpu_type(data.gpu_type)
@@ -277,6 +282,8 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
             _with_config(dep, "autoscaling", msgspec.to_builtins(changes.pop("autoscaling")))
         if dep.org_id is not None and "gpu_type" in changes:
             await self._check_gpu_type(changes["gpu_type"])
+        if {"engine", "engine_args", "gpus_per_replica", "gpu_type"} & changes.keys():
+            await self._change_engine(dep, changes)
         for name, value in changes.items():
             setattr(dep, name, value)
         if dep.org_id is not None:
@@ -288,6 +295,32 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
             session, actor, "update", "deployment", dep.id, org_id=dep.org_id, before=before, after=dep
         )
         return dep
+
+    async def _change_engine(self, dep: Deployment, changes: dict[str, Any]) -> None:
+        """Engine, engine_args and GPUs per replica as `changes` leave them (taking them out of
+        `changes`), checked together: a new gpu_type or parallelism moves the GPU count."""
+        engine = changes.pop("engine", dep.engine)
+        if "engine_args" in changes:
+            args = changes.pop("engine_args")
+        else:
+            # Kept (and checked again) on vLLM; back to builtin they mean nothing, so they go.
+            args = dep.engine_args if engine == VLLM else {}
+        model = await self.repository.session.get(Model, dep.model_id)
+        assert model is not None  # the foreign key cascades deletions
+        choice = choose_engine(
+            engine,
+            args,
+            changes.pop("gpus_per_replica", None),
+            gpu_type=changes.get("gpu_type", dep.gpu_type),
+            kind=model.kind,
+            context_length=model.context_length,
+            current_gpus=dep.gpus_per_replica,
+        )
+        dep.engine, dep.engine_args, dep.gpus_per_replica = (
+            choice.engine,
+            choice.engine_args,
+            choice.gpus_per_replica,
+        )
 
     async def delete_deployment(self, dep: Deployment, actor: Principal) -> None:
         """Only a deployment that never ran: dedicated deployments are billed from their

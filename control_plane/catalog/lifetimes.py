@@ -44,13 +44,17 @@ class WorkerLifetimes(GroupConsumer):
                     self._seen[ev.worker_id] = ev.ts
                     worker = await session.get(Worker, ev.worker_id)
                     if worker is None:
+                        dep = await _known_deployment(session, ev.deployment_id)
                         session.add(
                             Worker(
                                 id=ev.worker_id,
-                                deployment_id=await _known_deployment(session, ev.deployment_id),
+                                deployment_id=dep.id if dep is not None else None,
                                 address=ev.address,
                                 model=ev.model,
                                 gpu_type=getattr(ev, "gpu_type", None),
+                                # What it holds as of now: a later change to the deployment
+                                # applies to the workers started after it.
+                                gpus=dep.gpus_per_replica if dep is not None else 0,
                                 started_at=ts,
                                 last_seen_at=ts,
                             )
@@ -69,8 +73,6 @@ class WorkerLifetimes(GroupConsumer):
                     )
 
 
-async def _known_deployment(session: AsyncSession, deployment_id: str | None) -> str | None:
+async def _known_deployment(session: AsyncSession, deployment_id: str | None) -> Deployment | None:
     # A worker started by hand may name a deployment this database does not know.
-    if deployment_id and await session.get(Deployment, deployment_id) is not None:
-        return deployment_id
-    return None
+    return await session.get(Deployment, deployment_id) if deployment_id else None

@@ -19,6 +19,16 @@ ACTIVE = "active"
 STOPPED = "stopped"
 SUSPENDED = "suspended"
 
+# A deployment's engines: ours (workers/engine), or vLLM for what ours cannot serve yet.
+BUILTIN = "builtin"
+VLLM = "vllm"
+
+
+def _default_gpus(context: Any) -> int:
+    # Rows written without the service (bootstrap, tests): one GPU with a GPU type, none on
+    # CPU. The service sets the column from the engine's parallelism (catalog/engines.py).
+    return 1 if context.get_current_parameters().get("gpu_type") else 0
+
 
 class Model(Timestamped, Base):
     """A base model in the catalogue."""
@@ -82,6 +92,12 @@ class Deployment(Timestamped, Base):
     max_replicas: Mapped[int] = mapped_column(default=1)
     status: Mapped[str] = mapped_column(String(20), default=ACTIVE)  # ACTIVE | STOPPED | SUSPENDED
     config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    engine: Mapped[str] = mapped_column(String(20), default=BUILTIN)  # BUILTIN | VLLM
+    # vLLM's engine arguments, validated against tokenmill/vllm_args.py's allowlist; {} for builtin.
+    engine_args: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # GPUs one worker holds: what quotas count and GPU-hours are multiplied by; 0 without a
+    # gpu_type (CPU workers are not billed by GPU-hour).
+    gpus_per_replica: Mapped[int] = mapped_column(default=_default_gpus)
 
     model: Mapped[Model] = relationship(lazy="raise")
 
@@ -97,6 +113,9 @@ class Worker(Base):
     address: Mapped[str] = mapped_column(String(300))
     model: Mapped[str] = mapped_column(String(200))
     gpu_type: Mapped[str | None] = mapped_column(String(50))
+    # GPUs it held: its deployment's gpus_per_replica when it joined (0 for a deployment this
+    # database does not know), so changing a deployment never re-prices hours already run.
+    gpus: Mapped[int] = mapped_column(default=1)
     status: Mapped[str] = mapped_column(String(20), default="running")  # running | stopped | lost
     started_at: Mapped[datetime]
     last_seen_at: Mapped[datetime | None]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -47,6 +47,11 @@ AdapterIds = Annotated[list[Annotated[str, Meta(min_length=1, max_length=40)]], 
 
 
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+Engine = Literal["builtin", "vllm"]
+# vLLM's engine arguments by name; the allowlist, types and ranges are checked by the service
+# (control_plane/catalog/engines.py), so a 400 names the argument: `engine_args.<name>`.
+EngineArgs = Annotated[dict[str, Any], Meta(max_length=64)]
+Gpus = Annotated[int, Meta(ge=0, le=64)]
 
 
 class Autoscaling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, frozen=True):
@@ -72,6 +77,10 @@ class DeploymentCreate(Body):
     max_replicas: Replicas = 1
     status: Literal["active", "stopped"] = "active"
     autoscaling: Autoscaling | None = None
+    engine: Engine = "builtin"
+    engine_args: EngineArgs = {}
+    # Default: tensor_parallel_size x pipeline_parallel_size with a gpu_type, 0 without.
+    gpus_per_replica: Gpus | None = None
 
 
 class DeploymentUpdate(Body):
@@ -81,6 +90,10 @@ class DeploymentUpdate(Body):
     max_replicas: Replicas | UnsetType = UNSET
     status: Literal["active", "stopped"] | UnsetType = UNSET
     autoscaling: Autoscaling | UnsetType = UNSET  # replaces the whole setting
+    engine: Engine | UnsetType = UNSET  # back to builtin drops the engine_args
+    engine_args: EngineArgs | UnsetType = UNSET  # replaces the whole setting
+    # Unset: kept, raised to what the engine's parallelism needs (0 without a gpu_type).
+    gpus_per_replica: Gpus | UnsetType = UNSET
 
 
 class DeploymentOut(msgspec.Struct):
@@ -97,6 +110,9 @@ class DeploymentOut(msgspec.Struct):
     adapters: list[str]
     created_at: datetime
     autoscaling: Autoscaling = Autoscaling()
+    engine: str = "builtin"
+    engine_args: dict[str, Any] = {}
+    gpus_per_replica: int = 0  # GPUs one worker holds (0: a CPU deployment)
 
 
 # --- adapters --------------------------------------------------------------------------

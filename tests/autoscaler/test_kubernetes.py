@@ -7,15 +7,24 @@ the whole manifest, written out here by hand from the manifest contract.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from autoscaler.kubernetes import KubernetesProvider, ProviderError, worker_manifest, worker_name
+from autoscaler.kubernetes import (
+    KubernetesProvider,
+    ProviderError,
+    vllm_server_flags,
+    worker_manifest,
+    worker_name,
+)
 from autoscaler.providers import WorkerSpec
 from tests.autoscaler.fake_kubernetes import PATCH_TYPES, FakeKubernetes
 
@@ -641,3 +650,516 @@ async def test_provider_passes_its_sizes_and_stream_limit_to_the_manifest(fake: 
     pod = fake.deployments[NS, NAME]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 960
     assert pod["containers"][0]["resources"]["requests"]["cpu"] == "7500m"
+
+
+# --- vLLM deployments: vLLM's image beside the worker's ----------------------------------------
+
+VLLM_IMAGE = "registry.example.com/vllm/vllm-openai:v0.31.0@sha256:" + "3f9c" * 16
+VLLM = WorkerSpec(
+    deployment_id="dep_01j0vllm70b",
+    name="Llama 3.1 70B AWQ",
+    model="store:models/llama-3.1-70b-instruct-awq",
+    gpu_type="a100-80gb",
+    engine="vllm",
+    # In no particular order (a JSON column's): the flags come out sorted.
+    engine_args={
+        "tensor_parallel_size": 2,
+        "quantization": "awq",
+        "enable_prefix_caching": True,
+        "max_model_len": 32768,
+        "gpu_memory_utilization": 0.92,
+    },
+    gpus=2,
+)
+VLLM_NAME = "tm-worker-llama-3-1-70b-awq"
+VLLM_LABELS = {**LABELS, "tokenmill.dev/deployment": "dep_01j0vllm70b"}
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+VLLM_HEALTH = {
+    "exec": {
+        "command": [
+            "python3",
+            "-c",
+            "import urllib.request as r; r.urlopen('http://127.0.0.1:8000/health', timeout=4)",
+        ]
+    },
+    "periodSeconds": 10,
+    "timeoutSeconds": 5,
+}
+# The default share of an a100-80gb GPU, twice: 6000m, 24576Mi and 100Gi for the pod, of which
+# the worker beside vLLM asks 1000m, 2048Mi and 2Gi.
+VLLM_SIZE = {"cpu": "5000m", "memory": "22528Mi", "ephemeral-storage": "98Gi"}
+WORKER_SIZE = {"cpu": "1000m", "memory": "2048Mi", "ephemeral-storage": "2Gi"}
+VLLM_TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": VLLM_LABELS},
+    "spec": {
+        "serviceAccountName": "tokenmill-worker",
+        "automountServiceAccountToken": False,
+        "priorityClassName": "tokenmill-worker",
+        "terminationGracePeriodSeconds": 660,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": [
+            {
+                "name": "fetch-model",
+                "image": IMAGE,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["python", "-m", "workers.fetch_model"],
+                "args": ["store:models/llama-3.1-70b-instruct-awq", "/var/lib/tokenmill/models/.vllm-model"],
+                "env": [
+                    {"name": "TOKENMILL_HOME", "value": "/var/lib/tokenmill"},
+                    {"name": "TOKENMILL_MODEL_CACHE", "value": "/var/lib/tokenmill/models"},
+                    {"name": "HOME", "value": "/var/lib/tokenmill"},
+                ],
+                "envFrom": [{"secretRef": {"name": "tokenmill-worker"}}],
+                "resources": {
+                    "limits": {"memory": "22528Mi", "ephemeral-storage": "98Gi"},
+                    "requests": VLLM_SIZE,
+                },
+                "securityContext": RESTRICTED,
+                "volumeMounts": [
+                    {"name": "state", "mountPath": "/var/lib/tokenmill"},
+                    {"name": "model-cache", "mountPath": "/var/lib/tokenmill/models"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            },
+            {
+                "name": "vllm",
+                "image": VLLM_IMAGE,
+                "imagePullPolicy": "IfNotPresent",
+                "restartPolicy": "Always",
+                "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                "args": [
+                    "--model",
+                    "/var/lib/tokenmill/models/.vllm-model",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "8000",
+                    "--block-size",
+                    "32",
+                    "--enable-prompt-tokens-details",
+                    "--kv-events-config",
+                    '{"enable_kv_cache_events":true,"endpoint":"ipc:///run/tokenmill/kv-events","publisher":"zmq"}',
+                    "--structured-outputs-config",
+                    '{"backend":"guidance","disable_any_whitespace":true}',
+                    "--disable-uvicorn-access-log",
+                    # The engine arguments in tokenmill.vllm_args' order, whatever the column's.
+                    "--tensor-parallel-size",
+                    "2",
+                    "--quantization",
+                    "awq",
+                    "--max-model-len",
+                    "32768",
+                    "--gpu-memory-utilization",
+                    "0.92",
+                    "--enable-prefix-caching",
+                ],
+                "env": [
+                    {"name": "HOME", "value": "/var/lib/vllm"},
+                    {"name": "USER", "value": "tokenmill"},
+                    {"name": "HF_HUB_OFFLINE", "value": "1"},
+                    {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+                    {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"},
+                ],
+                "startupProbe": {**VLLM_HEALTH, "failureThreshold": 180},
+                "livenessProbe": {**VLLM_HEALTH, "failureThreshold": 6},
+                "resources": {
+                    "limits": {"nvidia.com/gpu": "2", "memory": "22528Mi", "ephemeral-storage": "98Gi"},
+                    "requests": VLLM_SIZE,
+                },
+                "securityContext": RESTRICTED,
+                "volumeMounts": [
+                    {"name": "vllm-home", "mountPath": "/var/lib/vllm"},
+                    {"name": "model-cache", "mountPath": "/var/lib/tokenmill/models", "readOnly": True},
+                    {"name": "vllm-tmp", "mountPath": "/tmp"},
+                    {"name": "shm", "mountPath": "/dev/shm"},
+                    {"name": "kv-events", "mountPath": "/run/tokenmill"},
+                ],
+            },
+        ],
+        "containers": [
+            {
+                "name": "worker",
+                "image": IMAGE,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["tokenmill"],
+                "args": ["worker", "--engine", "vllm", "--model", "store:models/llama-3.1-70b-instruct-awq"],
+                "env": [
+                    {"name": "TOKENMILL_DEPLOYMENT_ID", "value": "dep_01j0vllm70b"},
+                    {
+                        "name": "TOKENMILL_WORKER_ID",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                    },
+                    {
+                        "name": "TOKENMILL_WORKER_ADVERTISE_HOST",
+                        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                    },
+                    {"name": "TOKENMILL_WORKER_HOST", "value": "0.0.0.0"},
+                    {"name": "TOKENMILL_WORKER_PORT", "value": "8080"},
+                    {"name": "TOKENMILL_HOME", "value": "/var/lib/tokenmill"},
+                    {"name": "TOKENMILL_MODEL_CACHE", "value": "/var/lib/tokenmill/models"},
+                    {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": "600"},
+                    {"name": "HOME", "value": "/var/lib/tokenmill"},
+                    {"name": "TOKENMILL_GPU_TYPE", "value": "a100-80gb"},
+                    {"name": "TOKENMILL_BLOCK_SIZE", "value": "32"},
+                    {"name": "TOKENMILL_VLLM_URL", "value": "http://127.0.0.1:8000"},
+                    {"name": "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT", "value": "ipc:///run/tokenmill/kv-events"},
+                    {
+                        "name": "TOKENMILL_VLLM_ENGINE_ARGS",
+                        "value": '{"tensor_parallel_size":2,"quantization":"awq","max_model_len":32768,'
+                        '"gpu_memory_utilization":0.92,"enable_prefix_caching":true}',
+                    },
+                ],
+                "envFrom": [{"secretRef": {"name": "tokenmill-worker"}}],
+                "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}],
+                "startupProbe": {**PROBE, "periodSeconds": 10, "failureThreshold": 120},
+                "readinessProbe": {**PROBE, "periodSeconds": 5, "failureThreshold": 3},
+                "livenessProbe": {
+                    "tcpSocket": {"port": "http"},
+                    "periodSeconds": 10,
+                    "timeoutSeconds": 5,
+                    "failureThreshold": 6,
+                },
+                "resources": {
+                    "limits": {"memory": "2048Mi", "ephemeral-storage": "2Gi"},
+                    "requests": WORKER_SIZE,
+                },
+                "securityContext": RESTRICTED,
+                "volumeMounts": [
+                    {"name": "state", "mountPath": "/var/lib/tokenmill"},
+                    {"name": "model-cache", "mountPath": "/var/lib/tokenmill/models"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "kv-events", "mountPath": "/run/tokenmill"},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "state", "emptyDir": {}},
+            {"name": "model-cache", "emptyDir": {"sizeLimit": "80Gi"}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "vllm-home", "emptyDir": {}},
+            {"name": "vllm-tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            {"name": "kv-events", "emptyDir": {}},
+        ],
+        "nodeSelector": {"tokenmill.dev/gpu-type": "a100-80gb"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+}
+
+
+def vllm_manifest(replicas: int) -> dict[str, Any]:
+    return copy.deepcopy(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": VLLM_NAME,
+                "namespace": NS,
+                "labels": VLLM_LABELS,
+                "annotations": {"tokenmill.dev/spec-hash": contract_hash(VLLM_TEMPLATE)},
+            },
+            "spec": {
+                "replicas": replicas,
+                "selector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": "tokenmill-worker",
+                        "tokenmill.dev/deployment": "dep_01j0vllm70b",
+                    }
+                },
+                "template": VLLM_TEMPLATE,
+            },
+        }
+    )
+
+
+def vllm_provider(fake: FakeKubernetes) -> KubernetesProvider:
+    configuration = client.Configuration(
+        host=fake.url, api_key={"authorization": TOKEN}, api_key_prefix={"authorization": "Bearer"}
+    )
+    return KubernetesProvider(
+        client.ApiClient(configuration),
+        namespace=NS,
+        image=IMAGE,
+        secret=SECRET,
+        vllm_image=VLLM_IMAGE,
+        block_size=32,
+    )
+
+
+async def test_a_vllm_deployment_gets_vllm_beside_the_worker(fake: FakeKubernetes) -> None:
+    provider = vllm_provider(fake)
+    try:
+        await provider.scale(VLLM, 2)
+    finally:
+        await provider.close()
+
+    deployments = f"/apis/apps/v1/namespaces/{NS}/deployments"
+    assert calls(fake)[2:4] == [
+        ("GET", f"{deployments}/{VLLM_NAME}", None),
+        ("POST", deployments, vllm_manifest(2)),
+    ]
+    pod = fake.deployments[NS, VLLM_NAME]["spec"]["template"]["spec"]
+    fetch, server = pod["initContainers"]
+    (worker,) = pod["containers"]
+    # The GPUs are vLLM's, all of them; the worker (which does not bundle vLLM) has none.
+    assert server["image"] == VLLM_IMAGE and "@sha256:" in server["image"]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in json.dumps([fetch, worker])
+    assert fetch["image"] == worker["image"] == IMAGE
+    # vLLM starts before the worker and stops after it (a native sidecar), on the model the
+    # init container put in the volume they share.
+    assert server["restartPolicy"] == "Always" and "restartPolicy" not in fetch
+    link = fetch["args"][1]
+    assert server["args"][:2] == ["--model", link]
+    assert link.startswith(next(m["mountPath"] for m in server["volumeMounts"] if m["name"] == "model-cache"))
+    # Our block size, prompt token details for cached_tokens, KV events on the pod-local socket
+    # the worker subscribes to, and the engine arguments as flags.
+    args = server["args"]
+    assert args[args.index("--block-size") + 1] == "32"
+    assert "--enable-prompt-tokens-details" in args
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    worker_env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert events == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": worker_env["TOKENMILL_VLLM_KV_EVENTS_ENDPOINT"],
+    }
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--quantization") + 1] == "awq"
+    assert worker_env["TOKENMILL_BLOCK_SIZE"] == "32"
+    # The worker reaches vLLM on the loopback, where vLLM alone listens.
+    assert (
+        worker_env["TOKENMILL_VLLM_URL"]
+        == f"http://{args[args.index('--host') + 1]}:{args[args.index('--port') + 1]}"
+    )
+    assert worker["args"] == ["worker", "--engine", "vllm", "--model", VLLM.model]
+    assert json.loads(worker_env["TOKENMILL_VLLM_ENGINE_ARGS"]) == VLLM.engine_args
+    assert {e["name"]: e["value"] for e in server["env"]}["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # Probes: vLLM's /health (a long startup budget), the worker's /ready as for builtin workers.
+    startup = server["startupProbe"]
+    assert "/health" in startup["exec"]["command"][-1]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+    assert server["livenessProbe"]["exec"] == startup["exec"] and "readinessProbe" not in server
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+
+
+def test_a_vllm_pod_asks_what_a_builtin_pod_of_its_size_asks() -> None:
+    builtin = WorkerSpec("dep_b", "b", "store:m", gpu_type="a10g", gpus=4)
+    vllm = WorkerSpec("dep_v", "v", "store:m", gpu_type="a10g", gpus=4, engine="vllm")
+    resources = {"a10g": A10G_SHARE}
+
+    def containers(spec: WorkerSpec) -> list[dict[str, Any]]:
+        manifest = worker_manifest(
+            spec, 1, namespace=NS, image=IMAGE, secret=SECRET, resources=resources, vllm_image=VLLM_IMAGE
+        )
+        pod = manifest["spec"]["template"]["spec"]
+        # Running side by side: the sidecar and the worker (the fetch-model init container ends first).
+        return [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"] + pod[
+            "containers"
+        ]
+
+    def total(spec: WorkerSpec, key: str) -> int:
+        unit = {"cpu": "m", "memory": "Mi", "ephemeral-storage": "Gi"}[key]
+        return sum(int(c["resources"]["requests"][key].removesuffix(unit)) for c in containers(spec))
+
+    for key in ("cpu", "memory", "ephemeral-storage"):
+        assert total(vllm, key) == total(builtin, key), key
+    assert [c["resources"]["limits"].get("nvidia.com/gpu") for c in containers(vllm)] == ["4", None]
+    assert containers(builtin)[0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+def test_options_size_the_vllm_container() -> None:
+    spec = WorkerSpec(
+        "dep_v", "v", "store:m", gpu_type="h100", engine="vllm", options={"cpu": "24", "memory": "200Gi"}
+    )
+    pod = worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET, vllm_image=VLLM_IMAGE)
+    server = pod["spec"]["template"]["spec"]["initContainers"][1]
+    assert server["resources"]["requests"] == {"cpu": "24", "memory": "200Gi", "ephemeral-storage": "48Gi"}
+    assert pod["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] == WORKER_SIZE
+
+
+def test_vllm_gets_the_flags_a_worker_gives_the_vllm_it_starts() -> None:
+    """The same flags as workers/vllm/server.py gives a child vLLM, from the same settings."""
+    from tokenmill.settings import Settings
+    from workers.vllm.server import server_args
+
+    for args, prefix_caching in [
+        ({}, True),
+        ({}, False),  # TOKENMILL_PREFIX_CACHING off: off in vLLM too, unless the deployment says
+        ({"enable_prefix_caching": True}, False),
+        ({"max_loras": 2}, True),  # adapters: LoRA on, at the rank the control plane accepts
+        ({"enable_lora": True, "max_lora_rank": 16, "scheduling_policy": "priority"}, True),
+        ({"enable_lora": False, "max_loras": 2}, True),
+    ]:
+        settings = Settings(block_size=32, prefix_caching=prefix_caching, max_lora_rank=128)
+        spec = dataclasses.replace(VLLM, engine_args=args)
+        manifest = worker_manifest(
+            spec,
+            1,
+            namespace=NS,
+            image=IMAGE,
+            secret=SECRET,
+            vllm_image=VLLM_IMAGE,
+            block_size=settings.block_size,
+            prefix_caching=settings.prefix_caching,
+            max_lora_rank=settings.max_lora_rank,
+        )
+        ours = manifest["spec"]["template"]["spec"]["initContainers"][1]["args"]
+        child = server_args(settings, Path("/m"), "m", 8000, KV_ENDPOINT, args)
+        # The same flags, values and order, apart from what differs by design: the model's
+        # path and served name (the worker reads it from /v1/models), the port's owner.
+        assert _flags(ours, drop={"--model"}) == _flags(child, drop={"--model", "--served-model-name"}), args
+    assert "--no-enable-prefix-caching" in vllm_server_flags({}, prefix_caching=False)
+    assert vllm_server_flags({"max_loras": 2}, max_lora_rank=64) == [
+        "--max-loras",
+        "2",
+        "--enable-lora",
+        "--max-lora-rank",
+        "64",
+    ]
+
+
+KV_ENDPOINT = "ipc:///run/tokenmill/kv-events"
+
+
+def _flags(args: list[str], drop: set[str]) -> list[str]:
+    """Flags with their values, JSON values parsed (key order and spaces aside), some dropped."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in drop:
+            skip = True
+            continue
+        out.append(json.dumps(json.loads(arg), sort_keys=True) if arg.startswith("{") else arg)
+    return out
+
+
+async def test_changed_engine_args_replace_the_deployment_and_their_order_does_not(
+    fake: FakeKubernetes,
+) -> None:
+    provider = vllm_provider(fake)
+    try:
+        await provider.scale(VLLM, 1)
+        reordered = dataclasses.replace(VLLM, engine_args=dict(reversed(list(VLLM.engine_args.items()))))
+        fake.calls.clear()
+        await provider.scale(reordered, 1)
+        assert calls(fake) == [("GET", f"{DEPLOYMENTS}/{VLLM_NAME}", None)]  # same hash: nothing to do
+
+        bigger = dataclasses.replace(VLLM, engine_args={**VLLM.engine_args, "max_model_len": 65536})
+        fake.calls.clear()
+        await provider.scale(bigger, 1)
+    finally:
+        await provider.close()
+    get, put = calls(fake)
+    assert get == ("GET", f"{DEPLOYMENTS}/{VLLM_NAME}", None)
+    assert put[0] == "PUT" and put[1] == f"{DEPLOYMENTS}/{VLLM_NAME}"
+    args = put[2]["spec"]["template"]["spec"]["initContainers"][1]["args"]
+    assert args[args.index("--max-model-len") + 1] == "65536"
+    old_hash = vllm_manifest(1)["metadata"]["annotations"]["tokenmill.dev/spec-hash"]
+    assert put[2]["metadata"]["annotations"]["tokenmill.dev/spec-hash"] != old_hash
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "vllm/vllm-openai:v0.31.0",  # a tag can move
+        "vllm/vllm-openai:latest",
+        "vllm/vllm-openai@sha256:abc",  # not a whole digest
+        "vllm/vllm-openai@sha256:" + "A" * 64,
+        "",
+    ],
+)
+def test_vllm_s_image_must_be_pinned_by_digest(image: str) -> None:
+    with pytest.raises(ValueError, match="pinned by digest"):
+        worker_manifest(VLLM, 1, namespace=NS, image=IMAGE, secret=SECRET, vllm_image=image)
+    from pydantic import ValidationError
+
+    from tokenmill.settings import Settings
+
+    with pytest.raises(ValidationError, match="pinned by digest"):
+        Settings(vllm_image=image)
+
+
+def test_the_default_vllm_image_is_pinned_and_reaches_the_provider() -> None:
+    from tokenmill.settings import Settings
+
+    settings = Settings(block_size=32)
+    assert re.fullmatch(r"vllm/vllm-openai:v[\d.]+@sha256:[0-9a-f]{64}", settings.vllm_image)
+    pod = worker_manifest(
+        VLLM,
+        1,
+        namespace=NS,
+        image=IMAGE,
+        secret=SECRET,
+        vllm_image=settings.vllm_image,
+        block_size=settings.block_size,
+    )["spec"]["template"]["spec"]
+    assert pod["initContainers"][1]["image"] == settings.vllm_image
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (dataclasses.replace(VLLM, gpu_type=None), "needs a GPU type"),
+        (dataclasses.replace(VLLM, engine="sglang"), "unknown engine 'sglang'"),
+        (dataclasses.replace(VLLM, gpus=0), "gpus must be a whole number"),
+        (dataclasses.replace(VLLM, engine_args={"trust_remote_code": True}), "Unknown vLLM engine argument"),
+        (dataclasses.replace(VLLM, engine_args={"block_size": 8}), "set by the worker"),
+    ],
+)
+def test_a_vllm_spec_that_cannot_run_is_refused(spec: WorkerSpec, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET, vllm_image=VLLM_IMAGE)
+
+
+def test_a_vllm_deployment_without_a_vllm_image_is_refused() -> None:
+    with pytest.raises(ValueError, match="TOKENMILL_VLLM_IMAGE"):
+        worker_manifest(VLLM, 1, namespace=NS, image=IMAGE, secret=SECRET)
+
+
+def test_a_share_too_small_for_vllm_beside_the_worker_is_refused() -> None:
+    tiny = {"a100-80gb": {"cpu_millis": 1000}}
+    with pytest.raises(ValueError, match="leaves nothing for vLLM"):
+        worker_manifest(
+            dataclasses.replace(VLLM, gpus=1),
+            1,
+            namespace=NS,
+            image=IMAGE,
+            secret=SECRET,
+            resources=tiny,
+            vllm_image=VLLM_IMAGE,
+        )
+
+
+def test_gpus_per_replica_and_the_older_resources_gpus() -> None:
+    def gpus(spec: WorkerSpec) -> str:
+        manifest = worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET)
+        return manifest["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+
+    assert gpus(WorkerSpec("d", "n", "m", gpu_type="l4", gpus=2)) == "2"
+    assert gpus(WorkerSpec("d", "n", "m", gpu_type="l4", options={"gpus": 4})) == "4"
+    # Both said: the larger, so that neither asks less than the other.
+    assert gpus(WorkerSpec("d", "n", "m", gpu_type="l4", gpus=8, options={"gpus": 2})) == "8"
+
+
+@pytest.mark.parametrize("spec", [GPU, VLLM, WorkerSpec("dep_cpu", "cpu", "bundled:smollm2")])
+def test_manifests_are_valid_objects_of_the_kubernetes_api(spec: WorkerSpec) -> None:
+    """A round trip through the official client's models keeps every field: none is misspelt,
+    misplaced or of the wrong type (the client drops what its V1Deployment does not know)."""
+    manifest = worker_manifest(spec, 1, namespace=NS, image=IMAGE, secret=SECRET, vllm_image=VLLM_IMAGE)
+    api = client.ApiClient()
+    deployment = api.deserialize(json.dumps(manifest), "V1Deployment", "application/json")
+    assert isinstance(deployment, client.V1Deployment)
+    assert api.sanitize_for_serialization(deployment) == manifest

@@ -101,9 +101,52 @@ async def test_desired_state_comes_from_active_deployments(db: async_sessionmake
     desired = await desired_deployments(db)
     assert list(desired) == [dep]
     want = desired[dep]
-    assert want.spec == WorkerSpec(dep, "chat", "bundled:smollm2", "generate", "L4", {})
+    assert want.spec == WorkerSpec(
+        dep, "chat", "bundled:smollm2", "generate", "L4", engine="builtin", engine_args={}, gpus=1, options={}
+    )
     assert (want.config.min_replicas, want.config.max_replicas) == (1, 3)
     assert (want.config.target_concurrency, want.config.stable_window) == (4, 12)
+
+
+async def test_a_vllm_deployments_spec_carries_its_engine_arguments_and_gpus(
+    db: async_sessionmaker[AsyncSession],
+) -> None:
+    async with db() as session, session.begin():
+        model = Model(name="llama-70b-awq", source="store:models/llama-70b-awq", format="hf")
+        session.add(model)
+        await session.flush()
+        args = {"tensor_parallel_size": 4, "quantization": "awq", "enable_prefix_caching": True}
+        big = Deployment(
+            name="big",
+            model_id=model.id,
+            gpu_type="a100",
+            engine="vllm",
+            engine_args=args,
+            gpus_per_replica=8,
+            config={"resources": {"memory": "64Gi"}},
+        )
+        cpu = Deployment(name="cpu", model_id=model.id, engine="vllm", engine_args={"dtype": "float32"})
+        session.add_all([big, cpu])
+        await session.flush()
+    desired = await desired_deployments(db)
+    assert desired[big.id].spec == WorkerSpec(
+        big.id,
+        "big",
+        "store:models/llama-70b-awq",
+        gpu_type="a100",
+        engine="vllm",
+        engine_args=args,
+        gpus=8,
+        options={"memory": "64Gi"},
+    )
+    # Without a GPU type a deployment holds none.
+    cpu_spec = desired[cpu.id].spec
+    assert (cpu_spec.engine, cpu_spec.engine_args, cpu_spec.gpu_type, cpu_spec.gpus) == (
+        "vllm",
+        {"dtype": "float32"},
+        None,
+        0,
+    )
 
 
 async def test_starts_min_replicas_then_follows_load_within_max(db: async_sessionmaker[AsyncSession]) -> None:
@@ -117,6 +160,30 @@ async def test_starts_min_replicas_then_follows_load_within_max(db: async_sessio
     await rec.tick()
     assert provider.counts[dep] == 3
     assert rec.decisions[dep].desired == 3
+
+
+@dataclass
+class Refuses(Recorder):
+    """Refuses to build one deployment's workers, as KubernetesProvider does a vllm one
+    without TOKENMILL_VLLM_IMAGE."""
+
+    refused: str = ""
+
+    async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
+        if spec.deployment_id == self.refused:
+            raise ValueError(f"deployment {spec.deployment_id}: a vllm deployment needs TOKENMILL_VLLM_IMAGE")
+        await super().scale(spec, replicas, victims)
+
+
+async def test_a_deployment_the_provider_refuses_does_not_hold_up_the_others(
+    db: async_sessionmaker[AsyncSession], caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = await _deployment(db, "bad", 1, 1)
+    good = await _deployment(db, "good", 2, 2)
+    provider = Refuses(refused=bad)
+    await _reconciler(db, provider).tick()
+    assert provider.counts == {good: 2}
+    assert f"cannot reconcile deployment {bad}" in caplog.text and "TOKENMILL_VLLM_IMAGE" in caplog.text
 
 
 async def test_scales_down_after_idle_and_names_the_idlest_workers_first(

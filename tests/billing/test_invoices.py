@@ -20,6 +20,8 @@ from billing.common import cents, month_bounds
 from billing.invoices.services import finalize_invoice
 from billing.jobs import build_invoices, finalize_invoices, rollup_hours
 from billing.models import Invoice, UsageEvent
+from control_plane.catalog.lifetimes import WorkerLifetimes
+from control_plane.catalog.models import Deployment, Worker
 from tests.billing.billing_world import (
     FEB,
     JAN,
@@ -32,7 +34,9 @@ from tests.billing.billing_world import (
     make_world,
     t,
 )
+from tokenmill.bus import MemoryBus
 from tokenmill.errors import APIError
+from tokenmill.protocol import WorkerAnnounce, WorkerDeparture
 
 
 @pytest.fixture
@@ -205,6 +209,50 @@ async def test_gpu_hours_of_dedicated_deployments(
         "Dedicated deployment acme-big (big-model, a100): GPU time at 2.5 usd per GPU-hour"
     )
     assert w.org_b not in await _invoices(sm)
+
+
+async def test_gpu_hours_are_lifetime_times_gpus_per_replica_times_price(
+    migrated_db: async_sessionmaker[AsyncSession], world: World
+) -> None:
+    """A dedicated vLLM deployment spanning 4 GPUs, recorded from the bus as in production:
+    each worker keeps the GPU count its deployment had when it joined."""
+    w, sm = world, migrated_db
+
+    async def gpus(n: int, args: dict[str, int]) -> None:
+        async with sm() as s, s.begin():
+            dep = await s.get(Deployment, w.dedicated)
+            assert dep is not None
+            dep.engine, dep.engine_args, dep.gpus_per_replica = "vllm", args, n
+
+    await gpus(4, {"tensor_parallel_size": 4})
+    await add_gpu_price(sm, "a100", JAN, "2.50")
+    await add_gpu_price(sm, "a100", t(4), "3.00")
+    lifetimes = WorkerLifetimes(MemoryBus(), sm, "test")
+
+    async def lifetime(worker: str, start: datetime, stop: datetime) -> None:
+        await lifetimes.apply(
+            [
+                WorkerAnnounce(
+                    worker, w.dedicated, f"http://{worker}", "m", gpu_type="a100", ts=start.timestamp()
+                ),
+                WorkerDeparture(worker, w.dedicated, ts=stop.timestamp()),
+            ]
+        )
+
+    await lifetime("v1", t(3, 10), t(3, 11, 30))  # 1.5 h on 4 GPUs at 2.50
+    await gpus(2, {"tensor_parallel_size": 2})  # hours already run keep their 4 GPUs
+    await lifetime("v2", t(5, 8), t(5, 9))  # 1 h on 2 GPUs at 3.00
+    async with sm() as s:
+        held = {x.id: x.gpus for x in await s.scalars(select(Worker))}
+    assert held == {"v1": 4, "v2": 2}
+    await _close(sm)
+    invoice = (await _invoices(sm))[w.org_a]
+    got = [(x.meter, x.quantity, x.unit_price, x.amount) for x in invoice.lines]
+    assert got == [
+        ("gpu_seconds", Decimal(5400 * 4), Decimal("2.5"), Decimal("15.00")),  # 1.5 x 4 x 2.50
+        ("gpu_seconds", Decimal(3600 * 2), Decimal("3"), Decimal("6.00")),  # 1 x 2 x 3.00
+    ]
+    assert invoice.total == Decimal("21.00")
 
 
 async def test_generation_is_idempotent_and_drafts_follow_the_rollups(

@@ -69,8 +69,10 @@ async def test_operator_commands_suspend_resume_and_manage_deployments(db_url: s
             env, "deployments", "create", "--org", "acme", "--name", "acme-chat", "--model", MODEL,
             "--gpu-type", GPU, "--max-replicas", "2",
         ).stdout  # fmt: skip
-        dep_id, name, org_id, gpu, replicas, status = out.strip().split("\t")
-        assert (name, gpu, replicas, status) == ("acme-chat", GPU, "1-2", "active")
+        dep_id, name, org_id, kind, args, gpu, gpus, replicas, status = out.strip().split("\t")
+        assert (name, kind, args, gpu, gpus, replicas, status) == (
+            "acme-chat", "builtin", "{}", GPU, "1", "1-2", "active",
+        )  # fmt: skip
         # the rules are the admin API's: a priced GPU type, the quota
         refused = admin(
             env, "deployments", "create", "--org", "acme", "--name", "x", "--model", MODEL, ok=False
@@ -90,15 +92,54 @@ async def test_operator_commands_suspend_resume_and_manage_deployments(db_url: s
         assert admin(env, "resume-org", org_id).stdout.strip() == f"resumed {org_id}"
         out = admin(env, "deployments", "update", dep_id, "--max-replicas", "3").stdout
         assert out.strip().split("\t")[-2:] == ["1-3", "active"]
+        # vLLM: engine arguments as name=value, GPUs per replica from the parallelism
+        out = admin(
+            env, "deployments", "update", dep_id, "--engine", "vllm",
+            "--engine-arg", "tensor_parallel_size=2", "--engine-arg", "quantization=awq",
+            "--engine-arg", "enable_prefix_caching=false",
+        ).stdout  # fmt: skip
+        assert out.strip().split("\t")[3:7] == [
+            "vllm",
+            '{"tensor_parallel_size":2,"quantization":"awq","enable_prefix_caching":false}',
+            GPU,
+            "2",
+        ]
+        bad = admin(env, "deployments", "update", dep_id, "--engine-arg", "tensor_parallel_sise=2", ok=False)
+        assert "Unknown vLLM engine argument 'tensor_parallel_sise'" in bad.stderr
+        low = admin(env, "deployments", "update", dep_id, "--gpus-per-replica", "1", ok=False)
+        assert "gpus_per_replica (1) is below" in low.stderr
+        out = admin(
+            env, "deployments", "update", dep_id, "--clear-engine-args", "--gpus-per-replica", "1"
+        ).stdout
+        assert out.strip().split("\t")[3:7] == ["vllm", "{}", GPU, "1"]
+        made = admin(
+            env, "deployments", "create", "--org", "acme", "--name", "acme-big", "--model", MODEL,
+            "--gpu-type", GPU, "--engine", "vllm", "--engine-arg", "pipeline_parallel_size=3",
+            "--status", "stopped",
+        ).stdout  # fmt: skip
+        assert made.strip().split("\t")[3:] == [
+            "vllm", '{"pipeline_parallel_size":3}', GPU, "3", "1-1", "stopped",
+        ]  # fmt: skip
         everything = admin(env, "deployments", "list").stdout
-        assert {line.split("\t")[1] for line in everything.strip().splitlines()} == {MODEL, "acme-chat"}
+        rows = {line.split("\t")[1]: line.split("\t") for line in everything.strip().splitlines()}
+        assert set(rows) == {MODEL, "acme-chat", "acme-big"}
+        assert rows[MODEL][3:7] == ["builtin", "{}", "-", "0"]
+        assert rows["acme-chat"][3:7] == ["vllm", "{}", GPU, "1"]
 
         async with sm() as s:
             dep = await s.get(Deployment, dep_id)
             assert dep is not None and (dep.max_replicas, dep.status, dep.org_id) == (3, "active", org_id)
+            assert (dep.engine, dep.engine_args, dep.gpus_per_replica) == ("vllm", {}, 1)
             entries = (await s.scalars(select(AuditEntry).where(AuditEntry.resource_id == dep_id))).all()
             # the operator is the system: entries without actor ids
-            assert [e.action for e in entries] == ["create", "suspend", "resume", "update"]
+            assert [e.action for e in entries] == [
+                "create",
+                "suspend",
+                "resume",
+                "update",
+                "update",
+                "update",
+            ]
             assert all(e.actor_key_id is None and e.actor_user_id is None for e in entries)
     finally:
         await engine.dispose()

@@ -4,6 +4,7 @@ aggregation behind the charts against the ledger, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import html
 import random
 import re
 import time
@@ -205,7 +206,7 @@ async def test_dedicated_deployment_forms(env: AdminEnv) -> None:
     text = await _follow(
         s, await s.post(f"/deployments/{dep_id}", {"max_replicas": "4", "status": "stopped"})
     )
-    assert _flash(text) == "ok: Updated mine: 0 to 4 replicas, stopped."
+    assert _flash(text) == "ok: Updated mine: 0 to 4 replicas, stopped, builtin engine, 1 GPU per replica."
     text = await _follow(s, await s.post("/deployments", {"name": "bad name!", "model": MODEL}))
     assert _flash(text).startswith("error: Invalid value")
     # the admin API's rules: a GPU type from the price book
@@ -213,6 +214,92 @@ async def test_dedicated_deployment_forms(env: AdminEnv) -> None:
         s, await s.post("/deployments", {"name": "free", "model": MODEL, "org": env.default_org})
     )
     assert _flash(text).startswith("error: A dedicated deployment needs a gpu_type from the price book")
+    await s.client.aclose()
+
+
+def _cells(html: str, dep_id: str) -> list[str]:
+    """The cells of a deployment's row in the deployments table."""
+    row = re.search(rf'<tr data-deployment="{dep_id}">(.*?)</tr>', html, re.S)
+    assert row, f"no row for {dep_id}"
+    return [
+        re.sub(r"<[^>]+>", "", c).strip()
+        for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row.group(1), re.S)
+    ]
+
+
+async def test_deployment_engine_forms(env: AdminEnv) -> None:
+    s = await _root(env)
+    form = {"name": "big", "model": MODEL, "org": env.default_org, "gpu_type": GPU, "min_replicas": "0"}
+    args = "tensor_parallel_size=2\r\nquantization=awq\r\n\r\nenable_prefix_caching=false"
+    r = await s.post("/deployments", form | {"engine": "vllm", "engine_args": args, "gpus_per_replica": ""})
+    assert r.status_code == 303 and "/deployments/dep_" in r.headers["location"], r.text
+    dep_id = r.headers["location"].rsplit("/", 1)[1]
+    page = await _follow(s, r)
+    assert re.search(r'id="engine">vllm<', page) and re.search(r'id="gpus-per-replica">2<', page)
+    assert (
+        '<dd id="engine-args"><code>tensor_parallel_size=2</code>, <code>quantization=awq</code>, '
+        "<code>enable_prefix_caching=false</code></dd>"
+    ) in page
+    # the edit form holds what is set, so saving it unchanged changes nothing
+    assert "tensor_parallel_size=2\nquantization=awq\nenable_prefix_caching=false</textarea>" in page
+    assert 'name="gpus_per_replica" type="number" min="0" max="64" value="2"' in page
+    assert 'value="vllm" selected' in page
+    listing = await s.get("/deployments")
+    cells = _cells(listing.text, dep_id)
+    assert cells[0] == "big" and cells[3:5] == ["vllm", "2"]
+    api = (await env.client.get(f"{API}/deployments/{dep_id}", headers=env.root)).json()
+    assert api["engine_args"] == {
+        "tensor_parallel_size": 2,
+        "quantization": "awq",
+        "enable_prefix_caching": False,
+    }
+
+    edit = {"min_replicas": "0", "max_replicas": "1", "status": "active", "engine": "vllm"}
+    text = await _follow(
+        s,
+        await s.post(
+            f"/deployments/{dep_id}",
+            edit | {"engine_args": "tensor_parallel_sise=4", "gpus_per_replica": "2"},
+        ),
+    )
+    assert html.unescape(_flash(text)).startswith(
+        "error: Unknown vLLM engine argument 'tensor_parallel_sise'"
+    )
+    text = await _follow(
+        s,
+        await s.post(
+            f"/deployments/{dep_id}", edit | {"engine_args": "tensor_parallel_size", "gpus_per_replica": "2"}
+        ),
+    )
+    assert _flash(text).startswith("error: Write engine arguments as name=value")
+    text = await _follow(
+        s,
+        await s.post(
+            f"/deployments/{dep_id}",
+            edit | {"engine_args": "tensor_parallel_size=4", "gpus_per_replica": "2"},
+        ),
+    )
+    assert _flash(text).startswith("error: gpus_per_replica (2) is below what one replica spans")
+    text = await _follow(
+        s,
+        await s.post(
+            f"/deployments/{dep_id}",
+            edit | {"engine_args": "tensor_parallel_size=4", "gpus_per_replica": "4"},
+        ),
+    )
+    assert _flash(text) == "ok: Updated big: 0 to 1 replicas, active, vllm engine, 4 GPUs per replica."
+    # back to builtin: the arguments still in the box are vLLM's, and go
+    text = await _follow(
+        s,
+        await s.post(
+            f"/deployments/{dep_id}",
+            edit | {"engine": "builtin", "engine_args": "tensor_parallel_size=4", "gpus_per_replica": "4"},
+        ),
+    )
+    assert _flash(text) == "ok: Updated big: 0 to 1 replicas, active, builtin engine, 4 GPUs per replica."
+    assert re.search(r'id="engine-args">—<', text)
+    api = (await env.client.get(f"{API}/deployments/{dep_id}", headers=env.root)).json()
+    assert (api["engine"], api["engine_args"], api["gpus_per_replica"]) == ("builtin", {}, 4)
     await s.client.aclose()
 
 

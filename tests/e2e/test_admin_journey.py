@@ -165,7 +165,11 @@ class Server:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def start_server(tmp: Path, model_cache: Path, autoscaler: str = "local") -> Server:
+def start_server(
+    tmp: Path, model_cache: Path, autoscaler: str = "local", extra_env: dict[str, str] | None = None
+) -> Server:
+    """`tokenmill serve` in `tmp`, once it printed its root key and has a worker; `extra_env`
+    on top of the environment set here (a vLLM to attach to, a block size...)."""
     port = _free_port()
     env = {
         **os.environ,
@@ -176,6 +180,7 @@ def start_server(tmp: Path, model_cache: Path, autoscaler: str = "local") -> Ser
         "TOKENMILL_EMBED_MODEL": "",  # no embedding worker: not part of this journey
         "TOKENMILL_SCHEDULER": "false",  # the test runs the billing jobs itself, through the API
         "TOKENMILL_AUTOSCALER": autoscaler,
+        **(extra_env or {}),
     }
     for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
         env.pop(var, None)

@@ -145,24 +145,39 @@ def fits(
     pod: dict[str, Any], node: dict[str, float], overhead: dict[str, int], image_gib: int = 40
 ) -> list[str]:
     """What of the pod's requests (with the node's DaemonSets) exceeds the node; [] if it fits."""
-    container = pod["containers"][0]
-    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    requests, gpus = pod_requests(pod)
     problems = []
-    cpu = quantity(requests["cpu"]) * 1000 + overhead["cpu_millis"]
+    cpu = requests["cpu"] * 1000 + overhead["cpu_millis"]
     if cpu > node["cpu_millis"]:
         problems.append(f"cpu {cpu:.0f}m > {node['cpu_millis']:.0f}m")
-    memory = quantity(requests["memory"]) / 2**20 + overhead["memory_mib"]
+    memory = requests["memory"] / 2**20 + overhead["memory_mib"]
     if memory > node["memory_mib"]:
         problems.append(f"memory {memory:.0f}Mi > {node['memory_mib']:.0f}Mi")
-    disk = quantity(requests["ephemeral-storage"]) / 2**30 + image_gib
+    disk = requests["ephemeral-storage"] / 2**30 + image_gib
     if disk > node["ephemeral_gib"]:
         problems.append(f"ephemeral-storage {disk:.0f}Gi > {node['ephemeral_gib']:.0f}Gi")
-    if int(limits.get("nvidia.com/gpu", "0")) > node["gpus"]:
-        problems.append(f"gpus {limits['nvidia.com/gpu']} > {node['gpus']}")
+    if gpus > node["gpus"]:
+        problems.append(f"gpus {gpus} > {node['gpus']}")
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")["emptyDir"]["sizeLimit"]
-    if quantity(cache) > quantity(requests["ephemeral-storage"]):
+    if quantity(cache) > requests["ephemeral-storage"]:
         problems.append("the model cache is larger than the pod's ephemeral storage")
     return problems
+
+
+def pod_requests(pod: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """What the scheduler reserves for a pod, and its GPUs: the sum over the containers and the
+    native sidecars (init containers with restartPolicy Always) that run beside them, or a plain
+    init container's own requests when larger (it runs alone, before them)."""
+    keys = ("cpu", "memory", "ephemeral-storage")
+    init = pod.get("initContainers", [])
+    running = [c for c in init if c.get("restartPolicy") == "Always"] + pod["containers"]
+    total = {k: sum(quantity(c["resources"]["requests"].get(k, "0")) for c in running) for k in keys}
+    for container in init:
+        if container.get("restartPolicy") != "Always":
+            for k in keys:
+                total[k] = max(total[k], quantity(container["resources"]["requests"].get(k, "0")))
+    gpus = sum(int(c["resources"].get("limits", {}).get("nvidia.com/gpu", "0")) for c in running)
+    return total, gpus
 
 
 def test_the_fit_check_itself_catches_the_old_default() -> None:
@@ -190,16 +205,25 @@ def test_example_workers_fit_every_node_type_of_their_pool(tmp_path: Path) -> No
             node = allocatable(instance, disk_gib=pool.get("disk_gib", 200))
             # One GPU, and every multi-GPU pod this node can hold (#13's several GPUs a replica).
             for gpus in sorted({1, node["gpus"]} | set(range(2, node["gpus"] + 1, 2))):
-                spec = WorkerSpec(
-                    "dep", f"{gpu_type}-{gpus}", "store:m", gpu_type=gpu_type, options={"gpus": gpus}
-                )
-                manifest = worker_manifest(
-                    spec, 1, namespace="t", image="i:1", secret="s", resources=resources
-                )
-                pod = manifest["spec"]["template"]["spec"]
-                assert pod["nodeSelector"] == {"tokenmill.dev/gpu-type": gpu_type}
-                assert fits(pod, node, overhead) == [], (gpu_type, instance, gpus)
-                checked += 1
+                # On our engine, and vLLM beside the worker (#17): the same pod size.
+                for engine in ("builtin", "vllm"):
+                    spec = WorkerSpec(
+                        "dep", f"{gpu_type}-{gpus}", "store:m", gpu_type=gpu_type, engine=engine, gpus=gpus
+                    )
+                    manifest = worker_manifest(
+                        spec,
+                        1,
+                        namespace="t",
+                        image="i:1",
+                        secret="s",
+                        resources=resources,
+                        vllm_image=Settings().vllm_image,
+                    )
+                    pod = manifest["spec"]["template"]["spec"]
+                    assert pod["nodeSelector"] == {"tokenmill.dev/gpu-type": gpu_type}
+                    assert fits(pod, node, overhead) == [], (gpu_type, instance, gpus, engine)
+                    assert pod_requests(pod)[1] == gpus
+                    checked += 1
     assert checked >= 5
 
 

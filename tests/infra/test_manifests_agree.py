@@ -8,7 +8,8 @@ Two ways, so the agreement is checked with or without a terraform binary:
   deployments and must equal `worker_manifest(...)` exactly, spec-hash annotation included;
 - always: the module's HCL is parsed with python-hcl2 and its literal parts (labels,
   selector, probes, ports, container, env names, security contexts, volumes, GPU
-  scheduling, resource keys, service account) compared with the Python output.
+  scheduling, resource keys, service account, and a vLLM pod's init containers) compared
+  with the Python output.
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from typing import Any
 
 import pytest
 
-from autoscaler.kubernetes import worker_disruption_budget, worker_manifest
+from autoscaler.kubernetes import gpu_count, vllm_server_flags, worker_disruption_budget, worker_manifest
 from autoscaler.providers import WorkerSpec
 from tests.infra.terraform_files import TERRAFORM, module_at, run, terraform_binary, terraform_env
+from tokenmill.vllm_args import encode_engine_args
 
 WORKER_MODULE = TERRAFORM / "modules" / "tokenmill" / "modules" / "worker-manifest"
 NAMESPACE = "tokenmill"
 IMAGE = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/tokenmill-worker:0.1.0"
 SECRET = "tokenmill-worker"
+VLLM_IMAGE = (
+    "vllm/vllm-openai:v0.31.0@sha256:c1c9f6fd5c109ba7f0546a59f5b2f15fb87f64c77782e90a27b648b42a8e67c3"
+)
 
 SPECS = {
     "gpu_with_options": (
@@ -59,6 +64,43 @@ SPECS = {
         1,
     ),
     "partial_share": (WorkerSpec("dep_partial", "L4 model", "store:l4", gpu_type="l4"), 1),
+    # vLLM beside the worker: engine arguments as flags, GPUs per replica, a sized GPU type.
+    "vllm_tensor_parallel": (
+        WorkerSpec(
+            "dep_vllm70b",
+            "Llama 3.1 70B AWQ",
+            "store:models/llama-3.1-70b-instruct-awq",
+            gpu_type="a10g",
+            engine="vllm",
+            engine_args={
+                "tensor_parallel_size": 4,
+                "quantization": "awq",
+                "enable_prefix_caching": True,
+                "enforce_eager": False,
+                "max_model_len": 16384,
+                "gpu_memory_utilization": 0.9,
+            },
+            gpus=4,
+        ),
+        2,
+    ),
+    "vllm_defaults": (
+        WorkerSpec("dep_vllm_small", "Qwen2.5 7B", "bundled:smollm2", gpu_type="l4", engine="vllm"),
+        0,
+    ),
+    "vllm_with_options": (
+        WorkerSpec(
+            "dep_vllm_opts",
+            "Mixtral",
+            "store:models/mixtral",
+            gpu_type="h100",
+            engine="vllm",
+            engine_args={"pipeline_parallel_size": 2},
+            gpus=2,
+            options={"cpu": "30", "memory": "400Gi"},
+        ),
+        1,
+    ),
 }
 # TOKENMILL_WORKER_RESOURCES (as modules/worker-sizing computes it) and TOKENMILL_MAX_STREAM_SECONDS.
 RESOURCES = {
@@ -66,6 +108,7 @@ RESOURCES = {
     "l4": {"memory_mib": 26624},  # the other keys take the defaults
 }
 MAX_STREAM = {"sized_four_gpus": 1800}
+BLOCK_SIZE = {"vllm_tensor_parallel": 32}  # TOKENMILL_BLOCK_SIZE; default 16
 
 
 def python_manifest(key: str) -> dict[str, Any]:
@@ -78,6 +121,8 @@ def python_manifest(key: str) -> dict[str, Any]:
         secret=SECRET,
         resources=RESOURCES,
         max_stream_seconds=MAX_STREAM.get(key, 600),
+        vllm_image=VLLM_IMAGE,
+        block_size=BLOCK_SIZE.get(key, 16),
     )
 
 
@@ -101,9 +146,14 @@ def _module_block(key: str) -> str:
             f"  secret        = {_hcl_string(SECRET)}",
             f"  cpu           = {_hcl_string(spec.options.get('cpu'))}",
             f"  memory        = {_hcl_string(spec.options.get('memory'))}",
-            f"  gpus          = {spec.options.get('gpus', 1)}",
+            f"  gpus          = {max(gpu_count(spec), 1)}",
             f"  share         = {json.dumps(RESOURCES.get(spec.gpu_type or '', {}))}",
             f"  max_stream_seconds = {MAX_STREAM.get(key, 600)}",
+            f"  engine        = {_hcl_string(spec.engine)}",
+            f"  engine_flags  = {json.dumps(vllm_server_flags(spec.engine_args))}",
+            f"  engine_args_json = {json.dumps(encode_engine_args(spec.engine_args))}",
+            f"  vllm_image    = {_hcl_string(VLLM_IMAGE)}",
+            f"  block_size    = {BLOCK_SIZE.get(key, 16)}",
             "}",
         ]
     )
@@ -146,14 +196,20 @@ def test_terraform_template_equals_worker_manifest(terraform_manifests: dict[str
     assert ours["spec"]["selector"] == theirs["spec"]["selector"]
     assert ours["spec"]["template"]["metadata"] == theirs["spec"]["template"]["metadata"]
     pod, their_pod = ours["spec"]["template"]["spec"], theirs["spec"]["template"]["spec"]
-    assert {k: v for k, v in pod.items() if k != "containers"} == {
-        k: v for k, v in their_pod.items() if k != "containers"
+    assert {k: v for k, v in pod.items() if k not in ("containers", "initContainers")} == {
+        k: v for k, v in their_pod.items() if k not in ("containers", "initContainers")
     }
     assert len(pod["containers"]) == len(their_pod["containers"]) == 1
-    container, their_container = pod["containers"][0], their_pod["containers"][0]
-    assert sorted(container) == sorted(their_container)
-    for field in their_container:
-        assert container[field] == their_container[field], field
+    assert len(pod.get("initContainers", [])) == len(their_pod.get("initContainers", []))
+    pairs = zip(
+        pod["containers"] + pod.get("initContainers", []),
+        their_pod["containers"] + their_pod.get("initContainers", []),
+        strict=True,
+    )
+    for container, their_container in pairs:
+        assert sorted(container) == sorted(their_container)
+        for field in their_container:
+            assert container[field] == their_container[field], (their_container["name"], field)
     assert ours == theirs
 
 
@@ -196,10 +252,13 @@ def _resolve(value: Any, local: dict[str, Any], var: dict[str, Any]) -> Any:
     return value
 
 
-@pytest.fixture(scope="module")
-def hcl() -> tuple[dict[str, Any], dict[str, Any]]:
+HCL = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _hcl_for(key: str) -> HCL:
+    """The module's locals and its variables as the spec `key` sets them."""
     module = module_at("modules/tokenmill/modules/worker-manifest")
-    spec, replicas = SPECS["gpu_with_options"]
+    spec, replicas = SPECS[key]
     var = {
         "deployment_id": spec.deployment_id,
         "name": spec.name,
@@ -209,18 +268,37 @@ def hcl() -> tuple[dict[str, Any], dict[str, Any]]:
         "namespace": NAMESPACE,
         "image": IMAGE,
         "secret": SECRET,
-        "cpu": spec.options["cpu"],
-        "memory": spec.options["memory"],
+        "cpu": spec.options.get("cpu"),
+        "memory": spec.options.get("memory"),
+        "engine": spec.engine,
+        "engine_flags": vllm_server_flags(spec.engine_args),
+        "engine_args_json": encode_engine_args(spec.engine_args),
+        "vllm_image": VLLM_IMAGE,
+        "block_size": BLOCK_SIZE.get(key, 16),
     }
     return module.locals, var
 
 
-def _local(hcl: tuple[dict[str, Any], dict[str, Any]], name: str) -> Any:
+@pytest.fixture(scope="module")
+def hcl() -> HCL:
+    return _hcl_for("gpu_with_options")
+
+
+@pytest.fixture(scope="module")
+def vllm_hcl() -> HCL:
+    return _hcl_for("vllm_tensor_parallel")
+
+
+def _local(hcl: HCL, name: str) -> Any:
     local, var = hcl
     return _resolve(local[name], local, var)
 
 
-def test_hcl_labels_and_selector(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
+def _pod(key: str) -> dict[str, Any]:
+    return python_manifest(key)["spec"]["template"]["spec"]
+
+
+def test_hcl_labels_and_selector(hcl: HCL) -> None:
     theirs = python_manifest("gpu_with_options")
     assert (
         _local(hcl, "labels")
@@ -235,69 +313,147 @@ def test_hcl_labels_and_selector(hcl: tuple[dict[str, Any], dict[str, Any]]) -> 
     assert manifest["spec"]["replicas"] == theirs["spec"]["replicas"]
 
 
-def test_hcl_container(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
-    theirs = python_manifest("gpu_with_options")["spec"]["template"]["spec"]["containers"][0]
+def _limit_keys(expression: str) -> set[str]:
+    """Keys of the object literals in a resources expression: quoted or bare."""
+    return {quoted or bare for quoted, bare in re.findall(r'(?:"([\w./-]+)"|\b([a-z]+)) = ', expression)}
+
+
+def test_hcl_container(hcl: HCL, vllm_hcl: HCL) -> None:
+    theirs = _pod("gpu_with_options")["containers"][0]
+    beside_vllm = _pod("vllm_tensor_parallel")["containers"][0]
     ours = _local(hcl, "container")
-    assert set(ours) == set(theirs)
+    assert set(ours) == set(theirs) == set(beside_vllm)
     for key in (
         "name",
         "image",
         "imagePullPolicy",
         "command",
-        "args",
         "envFrom",
         "ports",
         "startupProbe",
         "readinessProbe",
         "livenessProbe",
         "securityContext",
-        "volumeMounts",
     ):
-        assert ours[key] == theirs[key], key
-    # env is an expression (the GPU entry is conditional): compare the names it sets.
+        assert ours[key] == theirs[key] == beside_vllm[key], key
+    # args, mounts, env and resources depend on the engine: each variant is a local of its own.
+    assert ours["args"] == "${local.vllm ? local.vllm_worker_args : local.builtin_worker_args}"
+    assert _local(hcl, "builtin_worker_args") == theirs["args"]
+    assert _local(vllm_hcl, "vllm_worker_args") == beside_vllm["args"]
+    assert _local(hcl, "base_mounts") == theirs["volumeMounts"]
+    assert [*_local(hcl, "base_mounts"), _local(hcl, "kv_events_mount")] == beside_vllm["volumeMounts"]
+    assert "if local.vllm" in _local(hcl, "volume_mounts")
+    # env is an expression (the GPU and vLLM entries are conditional): compare the names it sets.
     names = re.findall(r'name = "(\w+)"', ours["env"])
     assert names == [e["name"] for e in theirs["env"]]
-    for entry in theirs["env"]:
+    assert "local.vllm_env" in ours["env"] and "if local.vllm" in ours["env"]
+    vllm_env = _local(vllm_hcl, "vllm_env")
+    assert names + [e["name"] for e in vllm_env] == [e["name"] for e in beside_vllm["env"]]
+    for entry in beside_vllm["env"]:
         if "valueFrom" in entry:
             assert f'fieldPath = "{entry["valueFrom"]["fieldRef"]["fieldPath"]}"' in ours["env"]
         elif entry["name"] == "TOKENMILL_MAX_STREAM_SECONDS":
             assert "value = tostring(var.max_stream_seconds)" in ours["env"]
+        elif entry["name"] == "TOKENMILL_BLOCK_SIZE":
+            assert {"name": entry["name"], "value": "${tostring(var.block_size)}"} in vllm_env
+        elif entry["name"] == "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT":
+            assert {"name": entry["name"], "value": entry["value"]} in vllm_env  # local.kv_events
+        elif entry["name"] == "TOKENMILL_VLLM_ENGINE_ARGS":
+            assert {"name": entry["name"], "value": entry["value"]} in vllm_env  # var.engine_args_json
+        elif entry["name"] == "TOKENMILL_VLLM_URL":
+            assert {"name": entry["name"], "value": entry["value"]} in vllm_env
         elif entry["name"] not in ("TOKENMILL_DEPLOYMENT_ID", "TOKENMILL_GPU_TYPE"):
             assert f'value = "{entry["value"]}"' in ours["env"]
     # resources: the keys; the shares the sizes come from are the Python side's own.
-    assert set(ours["resources"]["requests"]) == set(theirs["resources"]["requests"])
-    from autoscaler.kubernetes import CPU_WORKER, DEFAULT_GPU_SHARE
+    from autoscaler.kubernetes import CPU_WORKER, DEFAULT_GPU_SHARE, VLLM_WORKER
 
+    assert ours["resources"] == "${local.vllm ? local.vllm_worker_resources : local.builtin_resources}"
+    builtin = _local(hcl, "builtin_resources")
+    assert _limit_keys(builtin["requests"]) == set(theirs["resources"]["requests"])
+    assert _limit_keys(builtin["limits"]) == set(theirs["resources"]["limits"])
     assert _local(hcl, "default_gpu_share") == DEFAULT_GPU_SHARE
     assert _local(hcl, "cpu_worker") == CPU_WORKER
-    limits = ours["resources"]["limits"]
-    limit_keys = set(re.findall(r'"([\w./-]+)" = ', limits)) | (
-        {"memory"} if "memory = local.memory" in limits else set()
+    assert _local(hcl, "vllm_worker") == VLLM_WORKER
+    assert _limit_keys(_local(hcl, "vllm_worker_resources")["limits"]) == set(
+        beside_vllm["resources"]["limits"]
     )
-    assert limit_keys == set(theirs["resources"]["limits"])
 
 
-def test_hcl_pod(hcl: tuple[dict[str, Any], dict[str, Any]]) -> None:
-    theirs = python_manifest("gpu_with_options")["spec"]["template"]["spec"]
+def test_hcl_pod(hcl: HCL) -> None:
+    theirs = _pod("gpu_with_options")
+    with_vllm = _pod("vllm_tensor_parallel")
     assert _local(hcl, "pod_security_context") == theirs["securityContext"]
-    volumes = _local(hcl, "volumes")
+    volumes = _local(hcl, "base_volumes")
     assert [v["name"] for v in volumes] == [v["name"] for v in theirs["volumes"]]
     assert [v for v in volumes if v["name"] != "model-cache"] == [
         v for v in theirs["volumes"] if v["name"] != "model-cache"
     ]
     cache = next(v for v in volumes if v["name"] == "model-cache")
     assert cache["emptyDir"]["sizeLimit"] == "${local.units * local.share.model_cache_gib}Gi"
+    assert volumes[:1] + volumes[2:] + _local(hcl, "vllm_volumes") == [
+        v for v in with_vllm["volumes"] if v["name"] != "model-cache"
+    ]
+    assert "if local.vllm" in _local(hcl, "volumes")
     scheduling = _local(hcl, "gpu_scheduling")
     assert scheduling == {"nodeSelector": theirs["nodeSelector"], "tolerations": theirs["tolerations"]}
-    pod_spec = _local(hcl, "pod_spec")  # merge(...) of the literal part and the GPU part
+    pod_spec = _local(hcl, "pod_spec")  # merge(...) of the literal part, the GPU and vLLM parts
     assert isinstance(pod_spec, Unresolved)
     for key in ("serviceAccountName", "automountServiceAccountToken", "priorityClassName"):
         literal = json.dumps(theirs[key]).lower()
         assert re.search(rf"\b{key} = {re.escape(literal)}", pod_spec), key
     assert re.search(r"\bterminationGracePeriodSeconds = var.max_stream_seconds \+ 60\b", pod_spec)
-    cpu_pod = python_manifest("cpu_defaults")["spec"]["template"]["spec"]
+    cpu_pod = _pod("cpu_defaults")
     assert "nodeSelector" not in cpu_pod and "tolerations" not in cpu_pod
+    assert "initContainers" not in theirs and "initContainers" not in cpu_pod
     assert "if local.gpu" in pod_spec  # the GPU part is added for GPU deployments only
+    assert "initContainers = local.init_containers" in pod_spec and "if local.vllm" in pod_spec
+
+
+def test_hcl_vllm_init_containers(vllm_hcl: HCL) -> None:
+    theirs = _pod("vllm_tensor_parallel")["initContainers"]
+    ours = _local(vllm_hcl, "init_containers")
+    assert [c["name"] for c in ours] == [c["name"] for c in theirs] == ["fetch-model", "vllm"]
+    for mine, their in zip(ours, theirs, strict=True):
+        assert set(mine) == set(their), their["name"]
+        for key in ("image", "imagePullPolicy", "command", "env", "securityContext", "volumeMounts"):
+            assert mine[key] == their[key], (their["name"], key)
+        assert set(mine["resources"]["requests"]) == set(their["resources"]["requests"])
+        assert set(mine["resources"]["limits"]) == set(their["resources"]["limits"])
+    fetch, vllm = ours
+    assert fetch["args"] == theirs[0]["args"] and fetch["envFrom"] == theirs[0]["envFrom"]
+    assert vllm["restartPolicy"] == theirs[1]["restartPolicy"] == "Always"
+    # vLLM's own flags are a local (the JSON of the KV events config is jsonencode's), the
+    # deployment's engine arguments come after them.
+    assert vllm["args"] == "${concat(local.vllm_args, var.engine_flags)}"
+    args = _local(vllm_hcl, "vllm_args")
+    their_args = theirs[1]["args"]
+    assert len(args) == len(their_args) - len(vllm_server_flags(SPECS["vllm_tensor_parallel"][0].engine_args))
+    for mine, their in zip(args, their_args, strict=False):
+        if mine.startswith("${jsonencode({enable_kv_cache_events"):  # local.kv_events_config
+            for attribute in (
+                "enable_kv_cache_events = true",
+                'publisher = "zmq"',
+                "endpoint = local.kv_events",
+            ):
+                assert attribute in mine
+            assert json.loads(their) == {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": _local(vllm_hcl, "kv_events"),
+            }
+        elif mine.startswith("${jsonencode({backend"):  # local.structured_outputs_config
+            assert 'backend = "guidance"' in mine and "disable_any_whitespace = true" in mine
+            assert json.loads(their) == {"backend": "guidance", "disable_any_whitespace": True}
+        elif mine == "${tostring(var.block_size)}":
+            assert their == "32"
+        else:
+            assert mine == their
+    health = _local(vllm_hcl, "vllm_health")
+    for probe, threshold in (("startupProbe", 180), ("livenessProbe", 6)):
+        assert theirs[1][probe] == {**health, "failureThreshold": threshold}
+        assert re.fullmatch(
+            rf"\$\{{merge\(local\.vllm_health, \{{ ?failureThreshold = {threshold} ?\}}\)\}}", vllm[probe]
+        )
 
 
 def test_tokenmill_module_renders_templates_with_the_autoscaler_s_settings() -> None:
@@ -315,3 +471,15 @@ def test_tokenmill_module_renders_templates_with_the_autoscaler_s_settings() -> 
     assert "TOKENMILL_KUBERNETES_NAMESPACE = var.namespace" in settings
     assert module.locals["worker_secret"] == SECRET
     assert module.locals["service_accounts"]["worker"] == "tokenmill-worker"
+    # Per GPU type a builtin and a vLLM template, with TOKENMILL_VLLM_IMAGE and the block size
+    # and prefix caching of the settings the autoscaler reads (a ConfigMap of local.settings).
+    assert call["for_each"] == "${local.worker_templates}"
+    templates = module.locals["worker_templates"]
+    assert '"vllm-${t}" => {gpu_type = t, engine = "vllm"}' in templates.replace("{ ", "{").replace(" }", "}")
+    assert call["engine"] == "${each.value.engine}" and call["gpu_type"] == "${each.value.gpu_type}"
+    assert call["vllm_image"] == "${var.vllm_image}"
+    assert "TOKENMILL_VLLM_IMAGE = var.vllm_image" in settings
+    assert call["block_size"] == '${tonumber(lookup(local.settings, "TOKENMILL_BLOCK_SIZE", "16"))}'
+    assert 'lookup(local.settings, "TOKENMILL_PREFIX_CACHING", "true")' in call["engine_flags"]
+    assert vllm_server_flags({}, prefix_caching=False) == ["--no-enable-prefix-caching"]
+    assert '["--no-enable-prefix-caching"] : []' in call["engine_flags"]

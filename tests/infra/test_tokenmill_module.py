@@ -54,6 +54,31 @@ def test_the_worker_template_runs_a_real_tokenmill_command() -> None:
     resolve(container["args"])
 
 
+def test_a_vllm_pod_runs_real_commands_of_the_worker_image() -> None:
+    """`tokenmill worker --engine vllm`, and the init container's module, are in the worker
+    image's package; vLLM's own image runs vLLM's server module."""
+    spec = WorkerSpec("d", "n", "store:m", gpu_type="l4", engine="vllm")
+    pod = worker_manifest(spec, 1, namespace="t", image="i:1", secret="s", vllm_image=Settings().vllm_image)[
+        "spec"
+    ]["template"]["spec"]
+    (worker,) = pod["containers"]
+    fetch, vllm = pod["initContainers"]
+    assert worker["command"] == ["tokenmill"]
+    assert resolve(worker["args"]).name == "worker"
+    command = fetch["command"]
+    assert command[:2] == ["python", "-m"] and fetch["image"] == worker["image"]
+    module = command[2]
+    assert (REPO / (module.replace(".", "/") + ".py")).read_text().rstrip().endswith("sys.exit(main())")
+    packages = re.search(r"include = \[([^\]]*)\]", (REPO / "pyproject.toml").read_text())
+    assert packages and f'"{module.split(".")[0]}*"' in packages[1]  # installed into the image
+    from workers.fetch_model import main
+
+    with pytest.raises(SystemExit) as parsed:
+        main([*fetch["args"], "--help"])  # its arguments parse
+    assert parsed.value.code == 0
+    assert vllm["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def _keys(expression: str) -> set[str]:
     """Keys of the object literals in a merge(...) expression."""
     return set(re.findall(r"\b([A-Z][A-Z0-9_]+) = ", expression))
@@ -169,6 +194,40 @@ def test_defaults_match_the_autoscaler_s_settings() -> None:
     assert TOKENMILL.variables["namespace"]["default"] == defaults["kubernetes_namespace"].default
     assert TOKENMILL.locals["worker_secret"] == defaults["worker_secret"].default
     assert TOKENMILL.locals["service_accounts"]["worker"] == "tokenmill-worker"
+    # The autoscaler and the templates run the same vLLM image, pinned by digest on both sides.
+    assert TOKENMILL.variables["vllm_image"]["default"] == defaults["vllm_image"].default
+    assert "TOKENMILL_VLLM_IMAGE = var.vllm_image" in TOKENMILL.locals["settings"]
+    assert '"TOKENMILL_VLLM_IMAGE"' in TOKENMILL.variables["settings"]["validation"][0]["condition"]
+
+
+def test_the_admission_policy_admits_vllm_beside_the_worker_and_nothing_else() -> None:
+    """A vllm deployment's pod: the worker image as its container and first init container,
+    vLLM's pinned image as its sidecar; no other image, and no init container reads another
+    Secret."""
+    validations = {
+        v["message"]: v["expression"] for v in TOKENMILL.locals["autoscaler_policy"]["spec"]["validations"]
+    }
+    images = next(e for m, e in validations.items() if m.startswith("worker pods run the worker image"))
+    assert "object.spec.template.spec.containers.all(c, c.image == '${var.worker_image}')" in images
+    assert (
+        "object.spec.template.spec.initContainers.all(c, c.image == '${var.worker_image}' || "
+        "c.image == '${var.vllm_image}')"
+    ) in images
+    assert "!has(object.spec.template.spec.ephemeralContainers)" in images
+    secrets = validations["worker pods read the worker Secret and no other"]
+    assert "object.spec.template.spec.initContainers) + object.spec.template.spec.containers).all(" in secrets
+    # What the provider makes passes those rules.
+    spec = WorkerSpec("d", "n", "store:m", gpu_type="l4", engine="vllm")
+    image, vllm_image = "w:1", Settings().vllm_image
+    pod = worker_manifest(
+        spec, 1, namespace="t", image=image, secret="tokenmill-worker", vllm_image=vllm_image
+    )["spec"]["template"]["spec"]
+    assert [c["image"] for c in pod["containers"]] == [image]
+    assert [c["image"] for c in pod["initContainers"]] == [image, vllm_image]
+    for container in pod["initContainers"] + pod["containers"]:
+        assert all(e["secretRef"]["name"] == "tokenmill-worker" for e in container.get("envFrom", []))
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in container["env"])
+    assert all("emptyDir" in v for v in pod["volumes"])
 
 
 def _rules() -> dict[tuple[str, str], set[str]]:

@@ -60,6 +60,7 @@ locals {
       TOKENMILL_MAX_STREAM_SECONDS     = tostring(module.rollout.max_stream_seconds)
       TOKENMILL_SHUTDOWN_GRACE_SECONDS = tostring(module.rollout.graceful_shutdown_seconds)
       TOKENMILL_WORKER_RESOURCES       = jsonencode(var.worker_resources)
+      TOKENMILL_VLLM_IMAGE             = var.vllm_image
     },
     var.s3_region == null ? {} : { TOKENMILL_S3_REGION = var.s3_region },
     var.settings,
@@ -374,7 +375,7 @@ resource "kubernetes_role_binding_v1" "autoscaler" {
 # account with the worker Secret, emptyDir volumes and no host access; only their disruption
 # budgets; only the workers' PriorityClass; and only worker pods to mark or delete. A stolen
 # autoscaler token cannot start a pod with another service account, another Secret or another
-# image.
+# image (vLLM's, pinned by digest, as an init container of a vllm deployment's pod only).
 locals {
   autoscaler_user = "system:serviceaccount:${var.namespace}:${local.service_accounts.autoscaler}"
   is              = "request.resource.group == '%s' && request.resource.resource == '%s'"
@@ -404,11 +405,11 @@ locals {
           message    = "worker pods run as the tokenmill-worker service account, without its API token, at the workers' priority"
         },
         {
-          expression = "!(${format(local.is, "apps", "deployments")}) || (!has(object.spec.template.spec.initContainers) && !has(object.spec.template.spec.ephemeralContainers) && object.spec.template.spec.containers.all(c, c.image == '${var.worker_image}'))"
-          message    = "worker pods run the worker image (TOKENMILL_WORKER_IMAGE) and nothing else"
+          expression = "!(${format(local.is, "apps", "deployments")}) || (!has(object.spec.template.spec.ephemeralContainers) && object.spec.template.spec.containers.all(c, c.image == '${var.worker_image}') && (!has(object.spec.template.spec.initContainers) || object.spec.template.spec.initContainers.all(c, c.image == '${var.worker_image}' || c.image == '${var.vllm_image}')))"
+          message    = "worker pods run the worker image (TOKENMILL_WORKER_IMAGE), and beside it vLLM's (TOKENMILL_VLLM_IMAGE) only"
         },
         {
-          expression = "!(${format(local.is, "apps", "deployments")}) || object.spec.template.spec.containers.all(c, (!has(c.envFrom) || c.envFrom.all(e, has(e.secretRef) && e.secretRef.name == '${local.worker_secret}')) && (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))))"
+          expression = "!(${format(local.is, "apps", "deployments")}) || ((!has(object.spec.template.spec.initContainers) ? [] : object.spec.template.spec.initContainers) + object.spec.template.spec.containers).all(c, (!has(c.envFrom) || c.envFrom.all(e, has(e.secretRef) && e.secretRef.name == '${local.worker_secret}')) && (!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))))"
           message    = "worker pods read the worker Secret and no other"
         },
         {
@@ -1393,24 +1394,39 @@ resource "kubernetes_deployment_v1" "autoscaler" {
 
 # --- workers ------------------------------------------------------------------------------------
 
-# The Deployment autoscaler/kubernetes.py creates for a model deployment, per GPU type and for
-# CPU workers, built by the same rules (modules/worker-manifest). To run workers by hand
-# (autoscaler_replicas = 0), take one, set the deployment id, name and model, and apply it.
+# The Deployment autoscaler/kubernetes.py creates for a model deployment, per GPU type (on the
+# builtin engine, and as vllm-<type> with vLLM beside the worker) and for CPU workers, built by
+# the same rules (modules/worker-manifest). To run workers by hand (autoscaler_replicas = 0),
+# take one, set the deployment id, name and model (and a vLLM one's engine flags), and apply it.
+locals {
+  worker_templates = merge(
+    { cpu = { gpu_type = null, engine = "builtin" } },
+    { for t in var.worker_gpu_types : t => { gpu_type = t, engine = "builtin" } },
+    { for t in var.worker_gpu_types : "vllm-${t}" => { gpu_type = t, engine = "vllm" } },
+  )
+}
+
 module "worker_template" {
   source   = "./modules/worker-manifest"
-  for_each = toset(concat(["cpu"], var.worker_gpu_types))
+  for_each = local.worker_templates
 
   deployment_id = "DEPLOYMENT-ID"
   name          = "template-${each.key}"
   model         = var.worker_template_model
-  gpu_type      = each.key == "cpu" ? null : each.key
+  gpu_type      = each.value.gpu_type
+  engine        = each.value.engine
   replicas      = 1
   namespace     = var.namespace
   image         = var.worker_image
   secret        = local.worker_secret
-  # As the autoscaler sizes them: TOKENMILL_WORKER_RESOURCES, TOKENMILL_MAX_STREAM_SECONDS.
-  share              = lookup(var.worker_resources, each.key, {})
+  # As the autoscaler sizes and starts them: TOKENMILL_WORKER_RESOURCES,
+  # TOKENMILL_MAX_STREAM_SECONDS, TOKENMILL_VLLM_IMAGE, TOKENMILL_BLOCK_SIZE.
+  share              = each.value.gpu_type == null ? {} : lookup(var.worker_resources, each.value.gpu_type, {})
   max_stream_seconds = module.rollout.max_stream_seconds
+  vllm_image         = var.vllm_image
+  block_size         = tonumber(lookup(local.settings, "TOKENMILL_BLOCK_SIZE", "16"))
+  # No engine arguments: only the worker's own default (autoscaler/kubernetes.py vllm_server_flags).
+  engine_flags = contains(["0", "false", "f", "no", "n", "off"], lower(lookup(local.settings, "TOKENMILL_PREFIX_CACHING", "true"))) ? ["--no-enable-prefix-caching"] : []
 }
 
 resource "kubernetes_config_map_v1" "worker_templates" {

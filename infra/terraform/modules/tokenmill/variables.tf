@@ -29,6 +29,18 @@ variable "worker_image" {
   }
 }
 
+variable "vllm_image" {
+  description = "vLLM's OpenAI server image (TOKENMILL_VLLM_IMAGE), pinned by sha256 digest: it runs beside the worker image in the pods of vllm deployments. Mirror it into your own registry to avoid Docker Hub's pull limits; null: the default below."
+  type        = string
+  default     = "vllm/vllm-openai:v0.31.0@sha256:c1c9f6fd5c109ba7f0546a59f5b2f15fb87f64c77782e90a27b648b42a8e67c3"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[a-z0-9][^\\s@]*@sha256:[0-9a-f]{64}$", var.vllm_image))
+    error_message = "vllm_image must be pinned by digest: name[:tag]@sha256:<64 hex digits>."
+  }
+}
+
 variable "image_pull_policy" {
   description = "Pull policy of the service containers (workers always use IfNotPresent: their images are large)."
   type        = string
@@ -210,7 +222,7 @@ variable "resources" {
 # --- workers ----------------------------------------------------------------------------
 
 variable "worker_gpu_types" {
-  description = "GPU types of the cluster's GPU node groups (modules/cluster output gpu_types): the ConfigMap tokenmill-worker-templates holds, per type and for CPU, the Deployment the autoscaler creates for a model deployment."
+  description = "GPU types of the cluster's GPU node groups (modules/cluster output gpu_types): the ConfigMap tokenmill-worker-templates holds, per type (builtin, and vllm-<type> for vLLM) and for CPU, the Deployment the autoscaler creates for a model deployment."
   type        = list(string)
   default     = []
 
@@ -318,9 +330,10 @@ variable "settings" {
         "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_WORKER_TOKEN", "TOKENMILL_SECRET_KEY", "TOKENMILL_CELERY_BROKER_URL",
         "TOKENMILL_STRIPE_API_KEY", "TOKENMILL_STRIPE_WEBHOOK_SECRET", "TOKENMILL_APP_DATABASE_URL",
         "TOKENMILL_MAX_STREAM_SECONDS", "TOKENMILL_SHUTDOWN_GRACE_SECONDS", "TOKENMILL_WORKER_RESOURCES",
+        "TOKENMILL_VLLM_IMAGE",
       ], k)
     ])
-    error_message = "settings keys must be TOKENMILL_* environment variables, no secret (Secrets Manager holds them) and none of those with a variable of their own (max_stream_seconds, worker_resources)."
+    error_message = "settings keys must be TOKENMILL_* environment variables, no secret (Secrets Manager holds them) and none of those with a variable of their own (max_stream_seconds, worker_resources, vllm_image)."
   }
 }
 

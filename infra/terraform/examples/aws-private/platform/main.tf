@@ -73,6 +73,7 @@ module "tokenmill" {
   namespace    = local.infra.namespace
   image        = var.image
   worker_image = var.worker_image
+  vllm_image   = var.vllm_image # null: the module's default
 
   secret_store = { region = local.infra.region, role_arn = local.infra.secrets.reader_role_arn }
   secrets = {

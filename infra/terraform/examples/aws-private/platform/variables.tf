@@ -27,6 +27,17 @@ variable "worker_image" {
   }
 }
 
+variable "vllm_image" {
+  description = "vLLM's OpenAI server image for vllm deployments, pinned by digest (e.g. mirrored into your ECR); null: the tokenmill module's default (vllm/vllm-openai from Docker Hub)."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.vllm_image == null || can(regex("^[a-z0-9][^\\s@]*@sha256:[0-9a-f]{64}$", var.vllm_image))
+    error_message = "vllm_image must be pinned by digest: name[:tag]@sha256:<64 hex digits>."
+  }
+}
+
 variable "api_host" {
   description = "Public host name of the API (e.g. api.example.com); null: no load balancer."
   type        = string

@@ -89,3 +89,53 @@ variable "max_stream_seconds" {
   type        = number
   default     = 600
 }
+
+variable "engine" {
+  description = "Engine of the deployment: builtin (the worker's own) or vllm (vLLM's image beside the worker, as a native sidecar with the GPUs)."
+  type        = string
+  default     = "builtin"
+
+  validation {
+    condition     = contains(["builtin", "vllm"], var.engine)
+    error_message = "engine is builtin or vllm."
+  }
+}
+
+variable "engine_flags" {
+  description = "vLLM flags of the deployment's engine arguments, as the autoscaler renders them (autoscaler/kubernetes.py vllm_server_flags), e.g. [\"--tensor-parallel-size\", \"2\"]."
+  type        = list(string)
+  default     = []
+}
+
+variable "engine_args_json" {
+  description = "The deployment's engine arguments as TOKENMILL_VLLM_ENGINE_ARGS, for the worker beside vLLM (tokenmill/vllm_args.py encode_engine_args), e.g. {\"tensor_parallel_size\":2}."
+  type        = string
+  default     = "{}"
+
+  validation {
+    condition     = can(tomap(jsondecode(var.engine_args_json)))
+    error_message = "engine_args_json must be a JSON object."
+  }
+}
+
+variable "vllm_image" {
+  description = "vLLM's OpenAI server image for vllm deployments (TOKENMILL_VLLM_IMAGE), pinned by sha256 digest."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.vllm_image == null || can(regex("^[a-z0-9][^\\s@]*@sha256:[0-9a-f]{64}$", var.vllm_image))
+    error_message = "vllm_image must be pinned by digest: name[:tag]@sha256:<64 hex digits>."
+  }
+}
+
+variable "block_size" {
+  description = "Tokens per KV cache block (TOKENMILL_BLOCK_SIZE): vLLM's --block-size and the worker's beside it."
+  type        = number
+  default     = 16
+
+  validation {
+    condition     = var.block_size >= 1 && floor(var.block_size) == var.block_size
+    error_message = "block_size must be a whole number, 1 or more."
+  }
+}
