@@ -251,7 +251,8 @@ class FleetView(WorkerTable, Background):
                 await self._announce(Demand(deployment_id, request_id, ts=time.time()))
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, DEMAND_EVERY))
+                async with asyncio.timeout(min(remaining, DEMAND_EVERY)):
+                    await self._changed.wait()
         return worker
 
     async def _announce(self, demand: Demand) -> None:

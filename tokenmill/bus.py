@@ -273,7 +273,10 @@ class MemoryBus(EventBus):
         if remaining <= 0 or self._closed:
             return False
         try:
-            await asyncio.wait_for(waiter.wait(), remaining)
+            # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as the
+            # waiter fires, and the reader's task then never ends.
+            async with asyncio.timeout(remaining):
+                await waiter.wait()
         except TimeoutError:
             return False
         return not self._closed

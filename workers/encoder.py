@@ -490,7 +490,8 @@ class EmbedBatcher:
             while self._queued_inputs < self.max_inputs and (remaining := deadline - time.monotonic()) > 0:
                 self._full.clear()
                 try:
-                    await asyncio.wait_for(self._full.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await self._full.wait()
                 except TimeoutError:
                     break
             jobs = self._take()

@@ -173,6 +173,18 @@ async def test_blocking_read_is_woken_by_publish(
     assert [e for e, _ in await asyncio.wait_for(task, 2.0)] == [second]
 
 
+async def test_a_reader_cancelled_as_an_entry_arrives_is_cancelled() -> None:
+    """A follower cancelled in the loop turn its entry arrives must still end (Python 3.11's
+    wait_for returned the entry instead, and a tail loop then read on for ever)."""
+    bus = MemoryBus()
+    task = asyncio.create_task(bus.read("s", "$", block=5.0))
+    await asyncio.sleep(0.01)
+    await bus.publish("s", {"n": 1})
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_maxlen_caps_the_stream(bus_factory: BusFactory, new_stream: Callable[[], str]) -> None:
     bus = bus_factory(maxlen=10)
     stream = new_stream()
