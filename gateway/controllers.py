@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+import re
+from typing import Annotated, Any, TypeAlias, TypeVar
 
+import msgspec
 from litestar import Controller, Request, Response, get, post
-from litestar.exceptions import HTTPException
-from litestar.params import JSONBody
+from litestar.enums import RequestEncodingType
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.params import Body, FromPath
+from litestar.types import Message, Scope
 
 from gateway.services import Caller, Gateway
 from tokenmill.errors import APIError, error_body, exception_handlers
@@ -21,6 +24,7 @@ from tokenmill.openai_shapes import (
     streaming_operation,
 )
 from tokenmill.openai_types import (
+    PARAMETERS,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,6 +38,13 @@ from tokenmill.openai_types import (
 
 log = logging.getLogger("tokenmill.gateway")
 
+T = TypeVar("T")
+# A JSON body of one of the request structs, which accept only the names they declare
+# (tokenmill.openai_types): the API document says so, so clients and fuzzers know it.
+OpenAIBody: TypeAlias = Annotated[
+    T, Body(media_type=RequestEncodingType.JSON, schema_extra={"additionalProperties": False})
+]
+
 
 async def require_api_key(request: Request) -> None:
     """Runs before the body is parsed, so a bad key is a 401 whatever the body. A
@@ -41,12 +52,16 @@ async def require_api_key(request: Request) -> None:
     guard call, which costs more than checking the key.
 
     An address that failed too often gets 429 before its key is looked at (no database
-    read, whatever key it sends now), so guessing keys or flooding made-up ones is slow."""
+    read, whatever key it sends now), so guessing keys or flooding made-up ones is slow.
+    A caller's `X-Client-Request-Id` is checked once the key is known good (400 if OpenAI
+    would refuse it)."""
     from tokenmill.clients import auth_failures
 
+    request_id(request)  # minted first: whatever happens next, errors included, sees this id
     gateway: Gateway = request.app.state.gateway
     with auth_failures(request):
         request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
+    client_request_id(request.headers.get("x-client-request-id"))
 
 
 # The handlers take the gateway and the caller (set by `require_api_key`) from the app and
@@ -64,31 +79,71 @@ def _caller(request: Request) -> Caller:
 
 
 def request_id(request: Request) -> str:
-    """This request's id, minted by the server the first time it is asked for: it keys the
-    ledger, and every answer of `/v1` (errors included) carries it as `x-request-id`."""
+    """This request's id, minted by the server the first time it is asked for (by
+    `require_api_key`, before anything else runs; by `stamp_request_ids` for a request that
+    never reached a handler). It keys the ledger, and every answer of `/v1` carries it as
+    `x-request-id`: both read it from the connection's state, so they cannot differ."""
     rid = request.state.get("request_id")
     if rid is None:
         rid = request.state.request_id = new_request_id()
     return rid
 
 
-def _with_request_id(handler: Callable[[Request, Any], Response]) -> Callable[[Request, Any], Response]:
-    def answer(request: Request, exc: Any) -> Response:
-        response = handler(request, exc)
-        response.headers.setdefault("x-request-id", request_id(request))
-        return response
+# OpenAI's rule for `X-Client-Request-Id`: printable ASCII, at most 512 characters.
+_CLIENT_ID = re.compile(r"[\x20-\x7e]{1,512}")
 
-    return answer
+
+def client_request_id(value: str | None) -> str | None:
+    """The caller's own id of this request (`X-Client-Request-Id`), or None if it sent none;
+    a value OpenAI would refuse is a 400."""
+    if not value:
+        return None
+    if _CLIENT_ID.fullmatch(value) is None:
+        raise APIError(
+            400,
+            "The X-Client-Request-Id header must be printable ASCII of at most 512 characters.",
+            param="X-Client-Request-Id",
+        )
+    return value
+
+
+def _under_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+async def stamp_request_ids(message: Message, scope: Scope) -> None:
+    """The app's `before_send` hook: every answer of `/v1` carries `x-request-id`, and the
+    caller's valid `X-Client-Request-Id` back as `x-client-request-id`. A hook of the app
+    rather than of this controller, because Litestar answers a path or method it cannot route
+    (404, 405) before any controller sees the request."""
+    if message["type"] != "http.response.start" or not _under_v1(scope.get("path", "")):
+        return
+    headers = list(message.get("headers") or ())
+    names = {name.lower() for name, _ in headers}
+    if b"x-request-id" not in names:
+        state = scope["state"]  # the dict behind `request.state`: the id `request_id` minted
+        rid = state.get("request_id")
+        if rid is None:
+            rid = state["request_id"] = new_request_id()
+        headers.append((b"x-request-id", rid.encode()))
+    sent = next((v for k, v in scope.get("headers", ()) if k == b"x-client-request-id"), None)
+    if sent is not None and b"x-client-request-id" not in names:
+        try:
+            echoed = client_request_id(sent.decode("latin-1"))
+        except APIError:
+            echoed = None  # refused (or would be): never repeated back
+        if echoed is not None:
+            headers.append((b"x-client-request-id", sent))
+    message["headers"] = headers
 
 
 def _unexpected(request: Request, exc: Exception) -> Response:
     # A bug, not the caller's fault: logged once, with the id the caller can quote.
-    rid = request_id(request)
-    log.exception("unhandled error in request %s", rid, exc_info=exc)
+    log.exception("unhandled error in request %s", request_id(request), exc_info=exc)
     body = error_body(
         "The server had an error while processing your request.", "server_error", "internal_error"
     )
-    return Response(body, status_code=500, headers={"x-request-id": rid})
+    return Response(body, status_code=500)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -100,11 +155,36 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 _http_default = exception_handlers()[HTTPException]
+_validation_default = exception_handlers()[ValidationException]
+
+# msgspec's words for a name a request struct does not declare (`forbid_unknown_fields`); at the
+# top level of the body they come with no "- at `$...`" location.
+_UNKNOWN = re.compile(r"Object contains unknown field `(.+)`")
+_BODIES: dict[str, type[msgspec.Struct]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+
+def _validation(request: Request, exc: ValidationException) -> Response:
+    """An unknown name in the body is answered as OpenAI answers it; OpenAI's own parameters
+    that are refused whatever their value get their own message."""
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    message = str(extra[0].get("message", "")) if extra and isinstance(extra[0], dict) else ""
+    unknown = _UNKNOWN.fullmatch(message)
+    body = _BODIES.get(request.scope["path"])
+    if unknown is None or body is None:
+        return _validation_default(request, exc)
+    name = unknown.group(1)
+    text = PARAMETERS[body].refused.get(name) or f"Unrecognized request argument supplied: {name}"
+    return Response(error_body(text, "invalid_request_error", None, name), status_code=400)
 
 
 def _error_handlers() -> dict[Any, Any]:
-    handlers = {kind: _with_request_id(h) for kind, h in exception_handlers().items()}
-    handlers[HTTPException] = _with_request_id(_http_error)
+    handlers = exception_handlers()
+    handlers[HTTPException] = _http_error
+    handlers[ValidationException] = _validation
     handlers[Exception] = _unexpected
     return handlers
 
@@ -118,12 +198,21 @@ class OpenAIController(Controller):
     @get(
         "/models",
         summary="List the models this key may use",
-        responses=error_responses(401, 403, 500),
+        responses=error_responses(400, 401, 403, 500),
     )
-    async def list_models(self, request: Request) -> Response[ModelList]:
+    async def list_models(self, request: Request) -> ModelList:
         models = await _gateway(request).models(_caller(request))
-        cards = [ModelCard(id=n, created=c, owned_by=o) for n, c, o in models]
-        return Response(ModelList(data=cards), headers={"x-request-id": request_id(request)})
+        return ModelList(data=[ModelCard(id=n, created=c, owned_by=o) for n, c, o in models])
+
+    @get(
+        "/models/{model:path}",
+        summary="Retrieve a model this key may use",
+        responses=error_responses(400, 401, 403, 404, 500),
+    )
+    async def retrieve_model(self, request: Request, model: FromPath[str]) -> ModelCard:
+        # A `path` parameter: model names may hold '/' (the SDK sends it percent-encoded).
+        name, created, owner = await _gateway(request).model(_caller(request), model.lstrip("/"))
+        return ModelCard(id=name, created=created, owned_by=owner)
 
     @post(
         "/chat/completions",
@@ -132,7 +221,7 @@ class OpenAIController(Controller):
         responses=completion_responses(ChatCompletion),
         operation_class=streaming_operation(ChatCompletionChunk),
     )
-    async def chat(self, request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
+    async def chat(self, request: Request, data: OpenAIBody[ChatCompletionRequest]) -> Response:
         return await _generate(request, data)
 
     @post(
@@ -142,7 +231,7 @@ class OpenAIController(Controller):
         responses=completion_responses(Completion),
         operation_class=streaming_operation(Completion),
     )
-    async def completions(self, request: Request, data: JSONBody[CompletionRequest]) -> Response:
+    async def completions(self, request: Request, data: OpenAIBody[CompletionRequest]) -> Response:
         return await _generate(request, data)
 
     @post(
@@ -151,7 +240,9 @@ class OpenAIController(Controller):
         status_code=200,
         responses=error_responses(400, 401, 403, 404, 429, 500, 503),
     )
-    async def embeddings(self, request: Request, data: JSONBody[EmbeddingRequest]) -> Response[EmbeddingList]:
+    async def embeddings(
+        self, request: Request, data: OpenAIBody[EmbeddingRequest]
+    ) -> Response[EmbeddingList]:
         gateway = _gateway(request)
         admitted = await gateway.admit(_caller(request), request_id(request), data)
         try:

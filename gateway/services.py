@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from control_plane.catalog.services import CatalogService
 from gateway.admission import Admitter, Ticket
+from gateway.embeddings import check_dimensions, vector_size
 from gateway.fleet import FleetView, WorkerState
 from gateway.keys import Caller, KeyCache
 from gateway.prep import Prep
@@ -108,6 +109,8 @@ class Gateway:
             "content-type": "application/json",
         }
         self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
+        # Length of the vectors an embedding model makes, per source, read with its tokenizer.
+        self._dimensions: dict[str, int | None] = {}
         self._targets: dict[tuple[str, str], tuple[Target, float]] = {}
         self._resolving: dict[tuple[str, str], asyncio.Future[Target]] = {}
         self._delta = msgspec.json.Decoder(GenerateDelta)
@@ -129,6 +132,14 @@ class Gateway:
         out = [(d.name, int(d.created_at.timestamp()), d.org_id or "tokenmill") for d, _ in rows]
         out += [(a.name, int(a.created_at.timestamp()), a.org_id) for a in adapters if a.model_id in served]
         return sorted(o for o in out if caller.may_use(o[0]))
+
+    async def model(self, caller: Caller, name: str) -> tuple[str, int, str]:
+        """(name, created, owner) of one model the caller may use: `models` filtered, so
+        retrieving follows the listing's rules exactly; 404 for anything it does not list."""
+        for found in await self.models(caller):
+            if found[0] == name:
+                return found
+        raise model_not_found(name)
 
     async def resolve(self, caller: Caller, name: str, kind: str = "generate") -> Target:
         target = await self._resolve(caller.org_id, name)
@@ -191,7 +202,14 @@ class Gateway:
     def _load_tokenizer(self, source: str) -> Tokenizer:
         # A stored model (`store:`) is fetched once, like a worker fetches it.
         storage = lambda: open_storage(self.settings)  # noqa: E731 - opened only for `store:`
-        return Tokenizer.from_dir(resolve_model(source, self.settings.cache_dir, storage=storage))
+        path = resolve_model(source, self.settings.cache_dir, storage=storage)
+        self._dimensions[source] = vector_size(path)
+        return Tokenizer.from_dir(path)
+
+    async def embedding_dimensions(self, target: Target) -> int | None:
+        """How long the vectors of `target`'s model are (None if its files do not say)."""
+        await self.tokenizer(target)
+        return self._dimensions.get(target.source)
 
     # --- admission -----------------------------------------------------------------------
 
@@ -227,6 +245,8 @@ class Gateway:
             target = await self.resolve(caller, body.model, kind="embed")
             size = check_embedding(body, limits)
             tok = await self.tokenizer(target)
+            if body.dimensions is not None:
+                check_dimensions(body.dimensions, target.model, await self.embedding_dimensions(target))
             inputs = await self.prep.run(
                 org, size, embedding_inputs, body, tok, context_length=target.context_length
             )

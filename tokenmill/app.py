@@ -58,6 +58,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     sessionmaker = make_sessionmaker(engine)
     bus = make_bus(settings)
     handlers: list[Any] = []
+    before_send: list[Any] = []  # hooks on every message the app sends
     dependencies: dict[str, Provide] = {"db_session": Provide(provide_db_session)}
     services: list[Any] = []  # objects with start()/stop()
     closers: list[Callable[[], Awaitable[None]]] = []
@@ -66,7 +67,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
 
     if parts.gateway:
         from gateway.admission import Admitter
-        from gateway.controllers import OpenAIController
+        from gateway.controllers import OpenAIController, stamp_request_ids
         from gateway.fleet import FleetView
         from gateway.keys import KeyCache
         from gateway.prep import Prep
@@ -131,6 +132,8 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         handlers.append(
             Router("/", route_handlers=[OpenAIController], request_max_body_size=settings.max_request_bytes)
         )
+        # x-request-id on every answer of /v1, also those Litestar gives before any route runs.
+        before_send.append(stamp_request_ids)
     if parts.admin:
         from billing.router import billing_router
         from billing.stripe.controllers import StripeWebhookController
@@ -196,6 +199,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         route_handlers=[*handlers, health, metrics, openapi_json],
         dependencies=dependencies,
         exception_handlers=exception_handlers(),
+        before_send=before_send,
         lifespan=[lifespan],
         openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
         logging_config=None,  # keep the process's logging set up by the CLI

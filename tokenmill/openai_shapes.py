@@ -232,6 +232,9 @@ def completion_prompt(
     reject_unsupported(req.n, req.logprobs is not None)
     if req.echo or req.suffix:
         raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
+    if req.best_of is not None and req.best_of != req.n:
+        # Equal to `n` (what clients such as LangChain send by default) it changes nothing.
+        raise APIError(400, "'best_of' other than 'n' is not supported.", param="best_of")
     prompt = req.prompt
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
         if len(prompt) != 1:
@@ -587,7 +590,8 @@ async def respond(
 
 ERRORS: dict[int, str] = {
     400: "The request is invalid: malformed JSON, a value out of range, an option this server "
-    "does not support, or a prompt that does not fit the model's context.",
+    "does not support, a prompt that does not fit the model's context, or an invalid "
+    "X-Client-Request-Id header.",
     401: "No API key, or one that is wrong, revoked or expired.",
     403: "The key may not do this, or its organisation is suspended.",
     404: "No model by this name that this key may use.",

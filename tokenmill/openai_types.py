@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -129,7 +130,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
@@ -138,14 +139,30 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Accepted and ignored (`IGNORED_CHAT` at the end says why, one by one). Typed as OpenAI
+    # types them, so a value OpenAI would refuse is refused here too; open objects stay open.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     # msgspec allows one array type per union: a list of strings or of token ids, checked later.
     prompt: str | list[str | int]
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=5, extra_json_schema=_MIN_0)] | None = None
     suffix: str | None = None
+    best_of: PositiveInt | None = None  # only as many as `n` (tokenmill.openai_shapes)
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -254,7 +271,7 @@ class ErrorResponse(msgspec.Struct):
 EmbeddingInput = str | list[str | int | list[int]]
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -278,3 +295,77 @@ class EmbeddingList(msgspec.Struct):
     model: str
     usage: EmbeddingUsage
     object: Literal["list"] = "list"
+
+
+# --- what each endpoint accepts -------------------------------------------------------------
+#
+# Request bodies refuse names they do not declare (`forbid_unknown_fields`): the gateway answers
+# `400 Unrecognized request argument supplied: <name>`, as OpenAI does, so a misspelt or
+# unsupported option is never silently dropped. An endpoint's struct declares OpenAI's
+# parameters of that endpoint (acted on, refused by value with a specific message, or accepted
+# and ignored) and the vLLM-style extensions; OpenAI's parameters refused whatever their value
+# are left out of it and answered by name. Nested objects (messages, tools, ...) stay lenient:
+# OpenAI's own responses, sent back as history, carry fields (refusal, annotations, ...) that
+# mean nothing here. The README's "OpenAI compatibility" says the same for users.
+
+# The vLLM-style parameters chat and text completions accept beside OpenAI's (`_Sampling`).
+EXTENSIONS: tuple[str, ...] = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+# OpenAI parameters accepted and ignored, with why. (`user` and `logit_bias` are accepted and
+# not acted on yet either: issue 18 carries them to the ledger and the engine.)
+IGNORED_CHAT: dict[str, str] = {
+    "store": "Tokenmill keeps no completions for distillation or evals; usage is metered either way.",
+    "metadata": "Tags for stored completions (`store`); nothing is stored.",
+    "prompt_cache_key": "Prefix caching needs no key: every prompt goes to the worker holding its "
+    "longest cached prefix, within the organisation's own cache.",
+    "prompt_cache_retention": "Cached prefixes stay while the engine's memory holds them (least "
+    "recently used out); there is no retention to choose.",
+    "prompt_cache_options": "Caching is automatic on every block of the prompt; there are no "
+    "breakpoints or lifetimes to set.",
+    "safety_identifier": "For OpenAI's abuse detection; Tokenmill runs none.",
+    "reasoning_effort": "For OpenAI's reasoning models; an open model's template decides whether "
+    "and how long it reasons.",
+    "verbosity": "A hint to OpenAI's GPT-5 models; open models have no such control.",
+    "modalities": "Text is the only output; a request asking for audio gets text, as from a "
+    "model without audio.",
+    "audio": "Settings of audio output, which no model here produces.",
+    "prediction": "Predicted outputs only make OpenAI answer faster, never differently; the "
+    "answer here is the same without them.",
+    "web_search_options": "No web search runs here; the model answers from what it knows.",
+    "service_tier": "Every request runs at the default tier until service tiers land (issue 18).",
+}
+
+# OpenAI parameters refused whatever their value, with the message that says so. Not declared
+# (so not in the API document either), they are answered by name rather than as unrecognized.
+_FUNCTIONS = (
+    "'functions' and 'function_call' (deprecated by OpenAI) are not supported; use 'tools' and 'tool_choice'."
+)
+REFUSED_CHAT: dict[str, str] = {
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
+    "moderation": "Moderation is not available on this server: 'moderation' is not supported.",
+}
+
+
+class Parameters(NamedTuple):
+    """Beyond OpenAI's own parameters, what one endpoint's request body accepts or refuses."""
+
+    ignored: Mapping[str, str]  # accepted and not acted on -> why
+    extensions: tuple[str, ...]  # accepted though not OpenAI's
+    refused: Mapping[str, str]  # OpenAI's, refused whatever the value -> the message
+
+
+PARAMETERS: dict[type[msgspec.Struct], Parameters] = {
+    ChatCompletionRequest: Parameters(IGNORED_CHAT, EXTENSIONS, REFUSED_CHAT),
+    CompletionRequest: Parameters({}, EXTENSIONS, {}),
+    EmbeddingRequest: Parameters({}, (), {}),
+}

@@ -237,6 +237,43 @@ def test_openai_sdk_sync_and_async_on_every_endpoint(server: Server) -> None:
     asyncio.run(run_async())
 
 
+def test_openai_surface_retrieval_request_ids_and_what_a_request_may_name(server: Server) -> None:
+    """Issue 18 through the whole server, with the real workers: models.retrieve, request ids
+    on answers and errors, unknown names refused, and `dimensions` checked by the gateway
+    against the size the real encoder makes."""
+    _wait_for_embeddings(server)
+    client = server.client()
+    for name in (MODEL, EMBED_MODEL):
+        assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17", extra_headers={"X-Client-Request-Id": "trace-1"})
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.response.headers["x-request-id"].startswith("req_")
+    assert missing.value.response.headers["x-client-request-id"] == "trace-1"
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=2,
+        store=False,
+        metadata={"team": "e2e"},
+        extra_body={"top_k": 1},
+        extra_headers={"X-Client-Request-Id": "trace-2"},
+    )
+    assert raw.headers["x-request-id"].startswith("req_") and raw.headers["x-client-request-id"] == "trace-2"
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], extra_body={"max_new_tokens": 2}
+        )
+    assert unknown.value.body["message"] == "Unrecognized request argument supplied: max_new_tokens"
+    assert unknown.value.response.headers["x-request-id"].startswith("req_")
+    # the size the gateway reads from the model's config is the size the worker makes
+    emb = client.embeddings.create(model=EMBED_MODEL, input="hello", dimensions=384, encoding_format="float")
+    assert len(emb.data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError) as shorter:
+        client.embeddings.create(model=EMBED_MODEL, input="hello", dimensions=256)
+    assert shorter.value.body["param"] == "dimensions"
+
+
 def test_structured_output_and_tool_call(server: Server) -> None:
     """Issue 7 through the whole server: the SDK's `parse` with a pydantic model, and a tool call."""
     from pydantic import BaseModel

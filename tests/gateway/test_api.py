@@ -262,3 +262,191 @@ async def test_routes_to_the_worker_holding_the_prompt_prefix(gateway_env: Env) 
     for _ in range(3):
         await sdk(gateway_env).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
     assert (len(warm.received), len(idle.received)) == (3, 0)
+
+
+# --- issue 18: model retrieval, client request ids, and what a request may name --------------
+
+
+async def test_models_retrieve_gives_the_listed_object_or_404(gateway_env: Env) -> None:
+    client = sdk(gateway_env)
+    (listed,) = (await client.models.list()).data
+    raw = await client.models.with_raw_response.retrieve(MODEL)
+    assert raw.parse() == listed and listed.owned_by == "tokenmill" and listed.object == "model"
+    assert raw.headers["x-request-id"].startswith("req_")
+    for name in ("gpt-17", "org/some-model"):  # a name with '/' goes percent-encoded
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.models.retrieve(name)
+        assert err.value.body == {
+            "message": f"The model '{name}' does not exist or you do not have access to it.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        assert err.value.response.headers["x-request-id"].startswith("req_")
+
+
+async def test_client_request_id_is_echoed_and_checked(gateway_env: Env) -> None:
+    await gateway_env.add_worker()
+    client = sdk(gateway_env)
+    mine = "my-trace 42 " + "x" * 500  # printable ASCII, 512 characters
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, max_tokens=1, extra_headers={"X-Client-Request-Id": mine}
+    )
+    assert raw.headers["x-client-request-id"] == mine
+    # the server's own id is still minted, and keys the ledger
+    (row,) = await ledger(gateway_env, 1)
+    assert row.request_id == raw.headers["x-request-id"] != mine
+    # errors carry it too, and answers to callers that sent none do not
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.models.retrieve("gpt-17", extra_headers={"X-Client-Request-Id": "abc"})
+    assert err.value.response.headers["x-client-request-id"] == "abc"
+    assert "x-client-request-id" not in (await client.models.with_raw_response.list()).headers
+    # longer than 512 characters, or not printable ASCII (a tab, a raw UTF-8 byte): refused
+    for bad in ("x" * 513, "a\tb", "caf\xe9".encode("latin-1")):
+        r = await gateway_env.client.get(
+            "/v1/models",
+            headers={"authorization": f"Bearer {gateway_env.admin_key}", "x-client-request-id": bad},  # type: ignore[dict-item]
+        )
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "X-Client-Request-Id"
+        assert r.headers["x-request-id"].startswith("req_") and "x-client-request-id" not in r.headers
+
+
+# (endpoint, a valid body without the extra name)
+ENDPOINTS = {
+    "/v1/chat/completions": {"model": MODEL, "messages": HELLO, "max_tokens": 1},
+    "/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1},
+    "/v1/embeddings": {"model": "all-MiniLM-L6-v2", "input": "hello"},
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/v1/chat/completions", "temprature"),
+        ("/v1/completions", "max_new_tokens"),
+        ("/v1/embeddings", "dimension"),
+    ],
+)
+async def test_unknown_request_fields_are_refused_by_name(gateway_env: Env, path: str, name: str) -> None:
+    w = await gateway_env.add_worker()
+    r = await gateway_env.client.post(
+        path,
+        headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+        json={**ENDPOINTS[path], name: 1},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "error": {
+            "message": f"Unrecognized request argument supplied: {name}",
+            "type": "invalid_request_error",
+            "param": name,
+            "code": None,
+        }
+    }
+    assert r.headers["x-request-id"].startswith("req_") and w.received == []
+
+
+async def test_openai_parameters_we_ignore_are_accepted(gateway_env: Env) -> None:
+    from tokenmill.openai_types import IGNORED_CHAT
+
+    w = await gateway_env.add_worker()
+    client = sdk(gateway_env)
+    ignored = {
+        "store": True,
+        "metadata": {"team": "search"},
+        "prompt_cache_key": "user-42",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+        "safety_identifier": "hashed-user-42",
+        "reasoning_effort": "low",
+        "verbosity": "low",
+        "modalities": ["text"],
+        "audio": {"voice": "alloy", "format": "mp3"},
+        "prediction": {"type": "content", "content": "Hello"},
+        "web_search_options": {"search_context_size": "low"},
+        "service_tier": "auto",
+    }
+    assert set(ignored) == set(IGNORED_CHAT)  # every one the schemas module lists, and only those
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=2, parallel_tool_calls=False, **ignored
+    )
+    assert reply.choices[0].message.content == "word0 word1 "
+    plain = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    # ignored means ignored: the worker got the very same request
+    with_them, without = w.received
+    assert (with_them.prompt_token_ids, with_them.sampling) == (without.prompt_token_ids, without.sampling)
+    assert plain.choices[0].message.content == reply.choices[0].message.content
+    # an assistant message as OpenAI returns it, sent back as history, has fields of no use here
+    history = [*HELLO, {"role": "assistant", "content": "Hi!", "refusal": None, "annotations": []}, *HELLO]
+    await client.chat.completions.create(model=MODEL, messages=history, max_tokens=1)  # type: ignore[arg-type]
+    # text completions: `best_of` equal to `n` (what LangChain sends) changes nothing
+    await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, best_of=1)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, best_of=3)
+    assert err.value.body["param"] == "best_of"
+    assert len(w.received) == 4
+
+
+async def test_extensions_are_accepted_and_reach_the_worker(gateway_env: Env) -> None:
+    w = await gateway_env.add_worker()
+    extensions = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True}
+    await sdk(gateway_env).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=1, extra_body=extensions
+    )
+    await sdk(gateway_env).completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body=extensions)
+    for sent in w.received:
+        s = sent.sampling
+        assert (s.top_k, s.min_p, s.repetition_penalty, s.ignore_eos) == (5, 0.1, 1.2, True)
+
+
+@pytest.mark.parametrize("name", ["functions", "function_call", "moderation"])
+async def test_openai_parameters_we_refuse_are_named(gateway_env: Env, name: str) -> None:
+    w = await gateway_env.add_worker()
+    value = {"functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"}}[name]
+    with pytest.raises(openai.BadRequestError) as err:
+        await sdk(gateway_env).chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=1, extra_body={name: value}
+        )
+    assert err.value.body["param"] == name
+    assert "Unrecognized" not in err.value.body["message"] and "not supported" in err.value.body["message"]
+    assert w.received == []
+
+
+def test_every_openai_parameter_is_known_and_nothing_else_is() -> None:
+    """The official SDK's request parameters, endpoint by endpoint, against the gateway's
+    schemas: each is declared (acted on, refused by value, or ignored) or refused by name,
+    and every declared name is OpenAI's or a listed extension."""
+    from typing import Any
+
+    import msgspec
+    from openai.types import completion_create_params, embedding_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    from tokenmill.openai_types import (
+        PARAMETERS,
+        ChatCompletionRequest,
+        CompletionRequest,
+        EmbeddingRequest,
+    )
+
+    def names(*typed: Any) -> set[str]:
+        return {n for t in typed for n in t.__annotations__}
+
+    sdk_params = {
+        ChatCompletionRequest: names(
+            chat_create_params.CompletionCreateParamsBase, chat_create_params.CompletionCreateParamsStreaming
+        ),
+        CompletionRequest: names(
+            completion_create_params.CompletionCreateParamsBase,
+            completion_create_params.CompletionCreateParamsStreaming,
+        ),
+        EmbeddingRequest: names(embedding_create_params.EmbeddingCreateParams),
+    }
+    for body, openai_names in sdk_params.items():
+        declared = {f.encode_name for f in msgspec.structs.fields(body)}
+        known = PARAMETERS[body]
+        assert body.__struct_config__.forbid_unknown_fields, body
+        assert openai_names - declared == set(known.refused), body
+        assert declared - openai_names == set(known.extensions), body
+        assert set(known.ignored) <= declared and not set(known.refused) & declared, body

@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
+from sqlalchemy import select
 
+from control_plane.catalog.models import Adapter, Model
 from tests.gateway.conftest import BUNDLED_NAME, Env, FakeWorker, Tenant
+from tests.gateway.test_api import sdk
 
 PRIVATE = "b-private-smollm2"  # B's dedicated deployment
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -144,3 +148,36 @@ async def test_scope_naming_another_tenants_model_grants_nothing(world: World) -
 # --- adapters -----------------------------------------------------------------------------
 # Adapter isolation (A cannot use or list B's LoRA adapters, nor hit their cache) joins here
 # once the gateway resolves adapters: a `World` field for B's adapter and tests alike.
+
+
+# --- retrieving one model (GET /v1/models/{model}) ------------------------------------------
+
+
+async def retrieve(env: Env, key: str, model: str) -> httpx.Response:
+    return await env.client.get(f"/v1/models/{model}", headers={"authorization": f"Bearer {key}"})
+
+
+async def test_retrieving_a_model_follows_the_listing_rules(world: World) -> None:
+    """What `/v1/models` lists, `/v1/models/{id}` gives; anything else is a 404 exactly as for
+    a model that does not exist. B owns a dedicated deployment and a LoRA adapter."""
+    env = world.env
+    async with env.app.state.sessionmaker() as s, s.begin():
+        base = await s.scalar(select(Model.id).where(Model.name == BUNDLED_NAME))
+        s.add(Adapter(org_id=world.b.org_id, model_id=base, name="b-support-bot", source="x"))
+    for model in (PRIVATE, "b-support-bot", BUNDLED_NAME):
+        card = await sdk(env, world.b.key).models.retrieve(model)
+        assert card.id == model and card.object == "model"
+        assert card.owned_by == ("tokenmill" if model == BUNDLED_NAME else world.b.org_id)
+        assert model in await listed(env, world.b.key)
+    for model in (PRIVATE, "b-support-bot"):
+        assert model not in await listed(env, world.a.key)
+        assert_not_found(await retrieve(env, world.a.key, model), model)
+        with pytest.raises(openai.NotFoundError):
+            await sdk(env, world.a.key).models.retrieve(model)
+    assert_not_found(await retrieve(env, world.a.key, "no-such-model"), "no-such-model")
+    assert (await retrieve(env, world.a.key, BUNDLED_NAME)).status_code == 200
+    # a scoped key retrieves what it lists, and nothing else of its own organisation
+    scoped = await env.key(world.b.org_id, scopes=[BUNDLED_NAME])
+    assert (await retrieve(env, scoped, BUNDLED_NAME)).json()["id"] == BUNDLED_NAME
+    assert_not_found(await retrieve(env, scoped, PRIVATE), PRIVATE)
+    assert_not_found(await retrieve(env, scoped, "b-support-bot"), "b-support-bot")

@@ -15,7 +15,7 @@ import pytest
 from gateway.prep import INLINE_CHARS, Prep
 from tests.gateway.conftest import Env
 from tests.gateway.test_admission import new_key
-from tests.gateway.test_api import HELLO, MODEL
+from tests.gateway.test_api import HELLO, MODEL, ledger
 from tokenmill.tokenization import Tokenizer
 
 
@@ -94,16 +94,59 @@ async def test_a_body_over_the_cap_is_a_413_that_names_the_limit(gateway_env: En
 async def test_every_answer_carries_a_fresh_request_id(gateway_env: Env) -> None:
     await gateway_env.add_worker()
     key = await new_key(gateway_env, requests_per_minute=1, request_burst=1)
-    ids = []
+    auth = {"authorization": f"Bearer {key}"}
+    ids, statuses = [], []
     for r in (
-        await gateway_env.client.get("/v1/models", headers={"authorization": f"Bearer {key}"}),
+        await gateway_env.client.get("/v1/models", headers=auth),
+        await gateway_env.client.get(f"/v1/models/{MODEL}", headers=auth),
         await gateway_env.client.get("/v1/models", headers={"authorization": "Bearer tm-nope"}),
+        await gateway_env.client.get(f"/v1/models/{MODEL}"),  # no key at all
+        await gateway_env.client.get("/v1/models/no-such-model", headers=auth),
+        await post(gateway_env, key, chat(temprature=0)),  # a name no endpoint knows
+        await post(gateway_env, key, chat(temperature=7)),  # out of range
+        # what Litestar answers before any route runs: a path or a method it does not serve
+        await gateway_env.client.get("/v1/no-such-endpoint", headers=auth),
+        await gateway_env.client.delete("/v1/models", headers=auth),
         await post(gateway_env, key, chat(model="no-such-model")),
         await post(gateway_env, key, chat()),  # over the 1 request a minute
     ):
         assert r.headers["x-request-id"].startswith("req_"), (r.status_code, r.headers)
         ids.append(r.headers["x-request-id"])
+        statuses.append(r.status_code)
+    assert statuses == [200, 200, 401, 401, 404, 400, 400, 404, 405, 404, 429]
     assert len(set(ids)) == len(ids)
+
+
+async def test_a_wrong_embeddings_dimensions_is_refused_before_any_worker_call(gateway_env: Env) -> None:
+    """The gateway knows the model's vector size from the model's own config (MiniLM: 384)
+    and the encoder cannot shorten vectors: any other `dimensions` is a 400 before a worker
+    computes anything, so nothing is metered."""
+    worker = await gateway_env.add_embed_worker(await gateway_env.embed_deployment())
+    worker.dim = 384
+    key = await new_key(gateway_env)
+    for dimensions, words in (
+        (1000, "'all-MiniLM-L6-v2' makes 384-dimensional embeddings: 'dimensions' cannot be more than 384"),
+        (385, "cannot be more than 384"),
+        (128, "cannot shorten its 384-dimensional embeddings"),
+        (0, "Expected `int` >= 1"),
+        (-3, "Expected `int` >= 1"),
+        (1.5, "Expected `int"),
+        ("many", "Expected `int"),
+    ):
+        body = {"model": "all-MiniLM-L6-v2", "input": "hello", "dimensions": dimensions}
+        r = await post(gateway_env, key, body, "/v1/embeddings")
+        assert r.status_code == 400, (dimensions, r.text)
+        assert r.json()["error"]["param"] == "dimensions" and words in r.json()["error"]["message"], r.text
+        assert r.headers["x-request-id"].startswith("req_")
+    assert worker.received == []
+    # the model's own size is what it gives anyway
+    body = {"model": "all-MiniLM-L6-v2", "input": "hello", "dimensions": 384}
+    r = await post(gateway_env, key, body, "/v1/embeddings")
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"][0]["embedding"]) == 384 and len(worker.received) == 1
+    # one usage event in all: the refused requests left none (the consumer reads in order)
+    rows = await ledger(gateway_env, 1)
+    assert [row.request_id for row in rows] == [r.headers["x-request-id"]]
 
 
 async def test_a_stream_longer_than_allowed_is_cut_with_an_error(gateway_env: Env) -> None:

@@ -62,6 +62,7 @@ BUDGET: dict[tuple[str, str], tuple[int, int]] = {
     ("POST", "/v1/completions"): (100, 25),
     ("POST", "/v1/embeddings"): (60, 20),
     ("GET", "/v1/models"): (5, 0),
+    ("GET", "/v1/models/{model}"): (20, 0),
 }
 # The model each operation's requests are pointed at (see `steer`), and those that stream.
 SERVED = {"/v1/chat/completions": BUNDLED_NAME, "/v1/completions": BUNDLED_NAME, "/v1/embeddings": EMBED_NAME}
@@ -74,7 +75,13 @@ MIN_EXAMPLES = 500
 # Successful answers each operation must give in the run (its other requests are refused).
 # Most drawn prompts and inputs are refused for what the document cannot say (empty, mixed
 # lists, unsupported options), hence the low floors for those two.
-MIN_OK = {"/v1/chat/completions": 20, "/v1/completions": 5, "/v1/embeddings": 5, "/v1/models": 1}
+MIN_OK = {
+    "/v1/chat/completions": 20,
+    "/v1/completions": 5,
+    "/v1/embeddings": 5,
+    "/v1/models": 1,
+    "/v1/models/{model}": 5,
+}
 
 CHECKS = [
     not_a_server_error,
@@ -119,6 +126,7 @@ SDK_TYPES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/chat/completions": (openai.types.chat.ChatCompletion, openai.types.chat.ChatCompletionChunk),
     "/v1/completions": (openai.types.Completion, _CompletionChunk),
     "/v1/models": (_ModelList, None),
+    "/v1/models/{model}": (openai.types.Model, None),
     "/v1/embeddings": (openai.types.CreateEmbeddingResponse, None),
 }
 
@@ -325,11 +333,13 @@ def steer_v1(case: Any, path: str, i: int, mode: GenerationMode) -> None:
     """Point drawn requests at what the fake fleet serves, deterministically by call number.
 
     A drawn model name is never served (404): all but every fifth request name the served
-    model instead. Hypothesis rarely turns on `stream` among so many optional fields, so
-    every third positive request streams (half of them asking for a usage chunk). The body
-    is assigned, not edited in place, so Schemathesis re-checks whether a negative case is
-    still invalid.
+    model instead (in the body, or the path of a model's retrieval). Hypothesis rarely turns
+    on `stream` among so many optional fields, so every third positive request streams (half
+    of them asking for a usage chunk). The body is assigned, not edited in place, so
+    Schemathesis re-checks whether a negative case is still invalid.
     """
+    if path == "/v1/models/{model}" and i % 5:
+        case.path_parameters = {"model": (BUNDLED_NAME, EMBED_NAME)[i % 2]}
     if not isinstance(case.body, dict):
         return
     body = dict(case.body)
