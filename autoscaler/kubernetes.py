@@ -255,6 +255,9 @@ def worker_manifest(
         {"name": "TOKENMILL_HOME", "value": WORKER_HOME},
         {"name": "TOKENMILL_MODEL_CACHE", "value": MODEL_CACHE},
         {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": str(max_stream_seconds)},
+        # The gateways hash prompts in blocks of this size to route by prefix; the engine's
+        # (or vLLM's) blocks must be the same size for its KV events to match.
+        {"name": "TOKENMILL_BLOCK_SIZE", "value": str(block_size)},
         # The root filesystem is read-only: caches that default to ~ (Triton's, torch's) too.
         {"name": "HOME", "value": WORKER_HOME},
     ]
@@ -280,8 +283,6 @@ def worker_manifest(
         requests, limits = worker_size, _limits(worker_size)
         args = ["worker", "--engine", "vllm", "--model", spec.model]
         env += [
-            # vLLM's blocks are ours: the KV events it publishes map block for block.
-            {"name": "TOKENMILL_BLOCK_SIZE", "value": str(block_size)},
             {"name": "TOKENMILL_VLLM_URL", "value": f"http://127.0.0.1:{VLLM_PORT}"},
             {"name": "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT", "value": KV_EVENTS_ENDPOINT},
             # What the worker sizes its adapter registry and request priorities by.

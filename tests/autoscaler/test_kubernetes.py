@@ -97,6 +97,7 @@ GPU_TEMPLATE: dict[str, Any] = {
                     {"name": "TOKENMILL_HOME", "value": "/var/lib/tokenmill"},
                     {"name": "TOKENMILL_MODEL_CACHE", "value": "/var/lib/tokenmill/models"},
                     {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": "600"},
+                    {"name": "TOKENMILL_BLOCK_SIZE", "value": "16"},
                     {"name": "HOME", "value": "/var/lib/tokenmill"},
                     {"name": "TOKENMILL_GPU_TYPE", "value": "a100-80gb"},
                 ],
@@ -481,6 +482,7 @@ def test_cpu_manifest_has_no_gpu_keys() -> None:
         "TOKENMILL_HOME",
         "TOKENMILL_MODEL_CACHE",
         "TOKENMILL_MAX_STREAM_SECONDS",
+        "TOKENMILL_BLOCK_SIZE",
         "HOME",
     ]
     assert "nvidia.com/gpu" not in json.dumps(manifest)
@@ -580,6 +582,14 @@ def test_liveness_and_readiness_are_distinct_probes() -> None:
     # A slow model load is the startup probe's business, not the liveness probe's.
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
+
+
+def test_a_builtin_pod_hashes_in_the_gateways_block_size() -> None:
+    """The gateways route by block hashes of TOKENMILL_BLOCK_SIZE tokens: a builtin worker left
+    at its default 16 beside gateways set to 32 would publish hashes no router ever finds."""
+    manifest = worker_manifest(GPU, 1, namespace=NS, image=IMAGE, secret=SECRET, block_size=32)
+    env = {e["name"]: e.get("value") for e in manifest["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TOKENMILL_BLOCK_SIZE"] == "32"
 
 
 @pytest.mark.parametrize("max_stream", [300, 600, 1800])
@@ -807,9 +817,9 @@ VLLM_TEMPLATE: dict[str, Any] = {
                     {"name": "TOKENMILL_HOME", "value": "/var/lib/tokenmill"},
                     {"name": "TOKENMILL_MODEL_CACHE", "value": "/var/lib/tokenmill/models"},
                     {"name": "TOKENMILL_MAX_STREAM_SECONDS", "value": "600"},
+                    {"name": "TOKENMILL_BLOCK_SIZE", "value": "32"},
                     {"name": "HOME", "value": "/var/lib/tokenmill"},
                     {"name": "TOKENMILL_GPU_TYPE", "value": "a100-80gb"},
-                    {"name": "TOKENMILL_BLOCK_SIZE", "value": "32"},
                     {"name": "TOKENMILL_VLLM_URL", "value": "http://127.0.0.1:8000"},
                     {"name": "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT", "value": "ipc:///run/tokenmill/kv-events"},
                     {

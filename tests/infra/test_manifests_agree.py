@@ -355,7 +355,7 @@ def test_hcl_container(hcl: HCL, vllm_hcl: HCL) -> None:
         elif entry["name"] == "TOKENMILL_MAX_STREAM_SECONDS":
             assert "value = tostring(var.max_stream_seconds)" in ours["env"]
         elif entry["name"] == "TOKENMILL_BLOCK_SIZE":
-            assert {"name": entry["name"], "value": "${tostring(var.block_size)}"} in vllm_env
+            assert "value = tostring(var.block_size)" in ours["env"]
         elif entry["name"] == "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT":
             assert {"name": entry["name"], "value": entry["value"]} in vllm_env  # local.kv_events
         elif entry["name"] == "TOKENMILL_VLLM_ENGINE_ARGS":

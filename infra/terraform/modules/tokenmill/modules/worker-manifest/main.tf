@@ -74,6 +74,9 @@ locals {
       { name = "TOKENMILL_HOME", value = "/var/lib/tokenmill" },
       { name = "TOKENMILL_MODEL_CACHE", value = "/var/lib/tokenmill/models" },
       { name = "TOKENMILL_MAX_STREAM_SECONDS", value = tostring(var.max_stream_seconds) },
+      # The gateways hash prompts in blocks of this size to route by prefix; the engine's
+      # (or vLLM's) blocks must be the same size for its KV events to match.
+      { name = "TOKENMILL_BLOCK_SIZE", value = tostring(var.block_size) },
       # The root filesystem is read-only: caches that default to ~ (Triton's, torch's) too.
       { name = "HOME", value = "/var/lib/tokenmill" },
     ],
@@ -81,8 +84,6 @@ locals {
     [for entry in local.vllm_env : entry if local.vllm],
   )
   vllm_env = [
-    # vLLM's blocks are ours: the KV events it publishes map block for block.
-    { name = "TOKENMILL_BLOCK_SIZE", value = tostring(var.block_size) },
     { name = "TOKENMILL_VLLM_URL", value = "http://127.0.0.1:8000" },
     { name = "TOKENMILL_VLLM_KV_EVENTS_ENDPOINT", value = local.kv_events },
     # What the worker sizes its adapter registry and request priorities by.

@@ -130,7 +130,7 @@ variable "vllm_image" {
 }
 
 variable "block_size" {
-  description = "Tokens per KV cache block (TOKENMILL_BLOCK_SIZE): vLLM's --block-size and the worker's beside it."
+  description = "Tokens per KV cache block (TOKENMILL_BLOCK_SIZE): the gateways hash prompts in blocks of this size, so the worker's engine (or vLLM's --block-size) uses it too."
   type        = number
   default     = 16
 
