@@ -267,6 +267,10 @@ class EngineGenerator:
         except APIError as exc:
             raise InvalidRequest(exc.message, exc.param) from exc
         params = self._params(req)
+        try:  # here, not only on the engine's admission: a 400 before the stream starts
+            params.check_vocab(self.info.model_config.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "logit_bias") from exc
         if params.grammar is not None:
             try:  # compiled without the tokenizer here (cheap); the engine compiles it for real
                 params.grammar.check()
@@ -307,6 +311,9 @@ class EngineGenerator:
                             prompt_tokens=out.prompt_tokens,
                             cached_tokens=out.cached_tokens,
                             completion_tokens=out.completion_tokens,
+                            # One entry per token id (None unless sampling.logprobs was set).
+                            logprobs=out.logprobs,
+                            top_logprobs=out.top_logprobs,
                         )
                 return
             except AdapterError:

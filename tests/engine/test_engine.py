@@ -1,5 +1,5 @@
 """The engine end to end: the same tokens whatever the cache, budget, pool or backend;
-stop strings, seeds, n > 1 and logprobs on the real SmolLM2."""
+stop strings, seeds, n > 1, logprobs and logit_bias on the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from tests.engine.conftest import TinyModel
 from tokenmill.modelstore import resolve_model
 from workers.engine import LLM, SamplingParams
+from workers.engine.sampling import InvalidParam
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -157,3 +158,56 @@ def test_logprobs_match_hf(smol: LLM) -> None:
         assert [t for t, _ in top] == hf_top.indices.tolist()
         for (_, lp), ref_lp in zip(top, hf_top.values.tolist(), strict=True):
             assert lp == pytest.approx(ref_lp, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_logit_bias_bans_and_forces_tokens(smol: LLM) -> None:
+    prompt = _chat(smol, "What is the capital of France?")
+    plain = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=2))[0].outputs[0]
+    assert plain.top_logprobs is not None
+    first, runner_up = (t for t, _ in plain.top_logprobs[0])
+    assert first == plain.token_ids[0]
+
+    # -100 on the greedy first token: the runner-up comes first instead.
+    banned = SamplingParams(temperature=0, max_tokens=4, logit_bias={first: -100.0}, logprobs=2)
+    out = smol.generate([prompt], banned)[0].outputs[0]
+    assert out.token_ids[0] == runner_up
+    assert out.logprobs is not None  # still the model's own: the banned token keeps its logprob
+    assert out.logprobs[0] == pytest.approx(plain.top_logprobs[0][1][1], abs=1e-4)
+    assert out.top_logprobs is not None and out.top_logprobs[0][0][0] == first
+
+    # +100 on an unlikely token forces it at every step.
+    forced = smol.tokenizer.encode(" banana")
+    assert len(forced) == 1
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={forced[0]: 100.0})
+    assert smol.generate([prompt], params)[0].outputs[0].token_ids == forced * 5
+
+
+@pytest.mark.slow
+def test_logit_bias_refused_out_of_range(smol: LLM) -> None:
+    prompt = _chat(smol, "Hi!")
+    vocab = smol.engine.model_config.vocab_size
+    with pytest.raises(InvalidParam) as err:
+        smol.engine.add_request("bad", prompt, SamplingParams(logit_bias={vocab: 1.0}))
+    assert err.value.param == "logit_bias" and "out of vocabulary" in str(err.value)
+    assert not smol.engine.has_unfinished()
+    for bias in (100.5, -101.0, float("nan")):
+        with pytest.raises(InvalidParam, match="logit_bias"):
+            SamplingParams(logit_bias={5: bias})
+
+
+@pytest.mark.slow
+def test_biased_rows_leave_their_batch_neighbours_alone(smol: LLM) -> None:
+    prompts = [_chat(smol, q) for q in ("Name a colour.", "What is 2+2?", "Say hello.", "Name a fruit.")]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [smol.generate([p], plain)[0].outputs[0].token_ids for p in prompts]
+    # Rows 1 and 3 ban their own greedy first token; rows 0 and 2 have no bias.
+    each = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={alone[i][0]: -100.0})
+        if i % 2
+        else plain
+        for i in range(len(prompts))
+    ]
+    mixed = [r.outputs[0].token_ids for r in smol.generate(prompts, each)]
+    assert mixed[0] == alone[0] and mixed[2] == alone[2]
+    assert mixed[1][0] != alone[1][0] and mixed[3][0] != alone[3][0]

@@ -186,6 +186,37 @@ def test_logit_bias_added_and_forces_token(logits: torch.Tensor) -> None:
     assert sampler(logits, greedy).token_ids == least
 
 
+def test_logit_bias_batched_rows_and_out_of_vocab(logits: torch.Tensor) -> None:
+    """Biased rows interleaved with unbiased ones: each gets exactly its own bias, unbiased rows
+    and the raw logits are untouched; ids past the logits' width are skipped, not an error."""
+    rows = [row(), row(logit_bias={0: -3.0, V - 1: 1.5}), row(), row(logit_bias={2: 7.0, V + 5: 1.0})]
+    x = logits[:4].clone()
+    apply_logit_bias(x, rows)
+    expected = logits[:4].clone()
+    expected[1, 0] -= 3.0
+    expected[1, V - 1] += 1.5
+    expected[3, 2] += 7.0
+    assert torch.equal(x, expected)
+    # The sampler: -100 on each greedy token hands that row the runner-up, the others keep theirs.
+    best = logits[:4].topk(2, dim=-1).indices.tolist()
+    banned = [
+        row(temperature=0, logit_bias={best[i][0]: -100.0}) if i % 2 else row(temperature=0) for i in range(4)
+    ]
+    assert sampler(logits[:4], banned).token_ids == [best[i][1] if i % 2 else best[i][0] for i in range(4)]
+
+
+def test_grammar_mask_wins_over_logit_bias(logits: torch.Tensor) -> None:
+    """+100 on a token the grammar forbids cannot bring it back; among the allowed, bias counts."""
+    from tests.engine.test_structured import _bitmask
+
+    allowed = [3, 9]
+    forced = next(t for t in range(V) if t not in allowed)
+    weaker = min(allowed, key=lambda t: float(logits[0, t]))
+    bias = {forced: 100.0, weaker: 50.0}
+    r = SampleRow(SamplingParams(temperature=0, logit_bias=bias), [], [], None, _bitmask(allowed, V))
+    assert sampler(logits[:1], [r]).token_ids == [weaker]
+
+
 def test_sampler_leaves_input_logits_untouched(logits: torch.Tensor) -> None:
     before = logits.clone()
     sampler(logits, [row(output=[1, 2], repetition_penalty=1.5, logit_bias={0: 5.0}) for _ in range(8)])
@@ -311,13 +342,13 @@ def test_from_wire_round_trip() -> None:
     wire = protocol.SamplingParams(
         max_tokens=99, temperature=0.3, top_p=0.8, top_k=40, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, seed=1234, stop=["\n\n", "END"],
-        stop_token_ids=[2, 7], ignore_eos=True, logprobs=3,
+        stop_token_ids=[2, 7], ignore_eos=True, logprobs=3, logit_bias={5: -100.0, 11: 2.5},
     )  # fmt: skip
     decoded = msgspec.json.decode(msgspec.json.encode(wire), type=protocol.SamplingParams)
     p = SamplingParams.from_wire(decoded)
     for name in protocol.SamplingParams.__struct_fields__:
         assert getattr(p, name) == getattr(wire, name), name
-    assert p.n == 1 and p.logit_bias is None
+    assert p.n == 1 and p.logit_bias == {5: -100.0, 11: 2.5}  # JSON's string keys back to ids
     assert p.stop is not decoded.stop
     assert SamplingParams.from_wire(protocol.SamplingParams()) == SamplingParams()
     with pytest.raises(ValueError, match="temperature"):

@@ -76,12 +76,17 @@ def _copy_prompts(n: int) -> list[list[int]]:
 
 
 def _run(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, check: bool = True
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    check: bool = True,
 ) -> list[list[int]]:
-    """Generate to completion, checking after every step that each running sequence's blocks
-    cover exactly its computed tokens (no block kept for rejected drafts, none missing)."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    """Generate to completion (`params` for all prompts, or one per prompt), checking after every
+    step that each running sequence's blocks cover exactly its computed tokens (no block kept
+    for rejected drafts, none missing)."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, each, strict=True)):
+        engine.add_request(str(i), p, sp)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     bs = engine.block_manager.block_size
     while engine.has_unfinished():
@@ -175,6 +180,38 @@ def test_switched_off_for_large_batches_and_sampled_rows(tiny: Path) -> None:
     penalized = _engine(tiny, num_speculative_tokens=4, prompt_lookup_min=1)
     _run(penalized, prompts, SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2))
     assert penalized.stats.spec_draft_tokens == 0
+
+
+@pytest.mark.parametrize("tiny_model", ["llama-gqa"], indirect=True)
+def test_biased_and_logprob_rows_decode_alone_beside_drafting_ones(tiny: Path) -> None:
+    """Greedy rows with a logit_bias or logprobs cannot be verified by the argmax of the raw
+    logits, so they never draft; in a batch where plain greedy rows draft, they still get their
+    bias and one logprob per token, and every row the tokens of the engine without drafts."""
+    prompts = _copy_prompts(4)
+    plain = _run(_engine(tiny), prompts, GREEDY)
+    # Ban the token each biased row would produce first: without the bias applied it copies on.
+    each = [
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={plain[1][0]: -100.0}),
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+    ]
+    base = _run(_engine(tiny), prompts, each)
+    assert base[1][0] != plain[1][0] and base[3] == plain[3]
+    spec = _engine(tiny, num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    for i, (p, sp) in enumerate(zip(prompts, each, strict=True)):
+        spec.add_request(str(i), p, sp)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    multi: set[str] = set()  # rows that got several tokens in one step: accepted drafts
+    while spec.has_unfinished():
+        for out in spec.step():
+            tokens[out.request_id] += out.token_ids
+            if len(out.token_ids) > 1:
+                multi.add(out.request_id)
+            if out.request_id == "3":
+                assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    assert [tokens[str(i)] for i in range(len(prompts))] == base
+    assert spec.stats.spec_accepted_tokens > 0 and multi and multi <= {"0", "2"}
 
 
 # --- the real model -------------------------------------------------------------------------

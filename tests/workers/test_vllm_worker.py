@@ -38,7 +38,7 @@ from tokenmill.tokenization import Tokenizer
 from workers.adapters import AdapterFetcher
 from workers.main import _beat, _Identity
 from workers.server import RecentTtft, WorkerInfo, create_app
-from workers.vllm.generator import VllmGenerator, structured_outputs
+from workers.vllm.generator import VllmFailed, VllmGenerator, _Logprobs, structured_outputs, wire_logprobs
 from workers.vllm.kv_events import KvEventMapper
 from workers.vllm.metrics import parse_figures
 from workers.vllm.server import VllmServer, child_env, server_args
@@ -169,6 +169,51 @@ async def test_greedy_tokens_equal_our_engines(
     for prompt, expected in zip(prompts, ours, strict=True):
         deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=8, ignore_eos=True)
         assert [t for d in deltas for t in d.token_ids] == expected
+
+
+async def test_logprobs_per_token_id_and_logit_bias(
+    client: httpx.AsyncClient, generator: VllmGenerator, vllm_server: RunningVllm
+) -> None:
+    """vLLM's logprobs come back as ours (per token id: its logprob and the k likeliest, best
+    first), with our engine's values: raw logprobs of the same fp32 weights. A logit_bias of -100
+    on the greedy first token makes vLLM pick another, while the logprobs stay the model's."""
+    from workers.engine import LLM
+    from workers.engine import SamplingParams as EngineParams
+
+    prompt = _chat(generator.tokenizer, "What is the capital of France?")
+    deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    assert len(deltas) > 1
+    for d in deltas:
+        assert d.logprobs is not None and d.top_logprobs is not None
+        assert len(d.logprobs) == len(d.top_logprobs) == len(d.token_ids)
+        for token, lp, top in zip(d.token_ids, d.logprobs, d.top_logprobs, strict=True):
+            assert len(top) == 3 and top[0] == (token, pytest.approx(lp))  # greedy: the best one
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    ids = [t for d in deltas for t in d.token_ids]
+    tops = [top for d in deltas for top in d.top_logprobs or []]
+
+    llm = LLM(str(vllm_server.model_dir), kv_cache_gib=0.1)
+    (ref,) = llm.generate([prompt], EngineParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))
+    del llm
+    ours = ref.outputs[0]
+    assert ids == ours.token_ids and ours.top_logprobs is not None
+    for got, want in zip(tops, ours.top_logprobs, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-3)
+
+    # logprobs=0: the sampled token's logprob only.
+    deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=3, logprobs=0)
+    assert all(d.logprobs is not None and len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert all(d.top_logprobs == [[] for _ in d.token_ids] for d in deltas)
+
+    first = ids[0]
+    deltas, _ = await _generate(
+        client, prompt, temperature=0, max_tokens=3, logprobs=3, logit_bias={first: -100.0}
+    )
+    assert deltas[0].token_ids[0] == tops[0][1][0]  # the runner-up
+    assert deltas[0].top_logprobs is not None and deltas[0].top_logprobs[0][0][0] == first  # raw
+    # and the token vLLM sampled is reported with its own logprob, outside the top k or not
+    assert deltas[0].logprobs is not None and deltas[0].logprobs[0] == pytest.approx(tops[0][1][1], abs=1e-4)
 
 
 async def test_stop_string(client: httpx.AsyncClient, generator: VllmGenerator) -> None:
@@ -412,6 +457,8 @@ async def test_adapter_load_generate_unload(
         ({"sampling": {"temperature": -1}}, "temperature", "temperature must be non-negative"),
         ({"sampling": {"top_p": 0}}, "top_p", "top_p must be in (0, 1]"),
         ({"sampling": {"grammar": {"kind": "json_schema", "spec": "{"}}}, "grammar", "invalid json_schema"),
+        ({"sampling": {"logit_bias": {"49152": 5}}}, "logit_bias", "out of vocabulary (size 49152)"),
+        ({"sampling": {"logit_bias": {"7": -100.5}}}, "logit_bias", "must be in [-100, 100]"),
     ],
 )
 async def test_bad_requests_get_the_builtin_workers_400(
@@ -606,6 +653,24 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 320.0
     f = parse_figures(text)
     assert (f.running, f.waiting, f.kv_usage) == (3, 4, 0.375)
     assert (f.prefix_cache_queries, f.prefix_cache_hits, f.spec_draft_tokens) == (640, 320, 0)
+
+
+def test_logprobs_from_vllms_chunks() -> None:
+    """vLLM's dict holds the sampled token first, then the top k: k + 1 entries when the
+    sampled one is not among them (dropped from our top k), k when it is (sorted back)."""
+    chunk = _Logprobs(
+        token_logprobs=[-2.5, -0.1],
+        top_logprobs=[
+            {"token_id:9": -2.5, "token_id:4": -0.3, "token_id:7": -1.2},
+            {"token_id:5": -0.1, "token_id:6": -3.0},
+        ],
+    )
+    assert wire_logprobs([9, 5], chunk, 2) == ([-2.5, -0.1], [[(4, -0.3), (7, -1.2)], [(5, -0.1), (6, -3.0)]])
+    assert wire_logprobs([9], _Logprobs([-2.5], [{"token_id:9": -2.5}]), 0) == ([-2.5], [[]])
+    with pytest.raises(VllmFailed):
+        wire_logprobs([9, 5], None, 2)
+    with pytest.raises(VllmFailed):
+        wire_logprobs([9], _Logprobs([-2.5], [{"Paris": -2.5}]), 0)
 
 
 def test_grammars_as_vllm_structured_outputs() -> None:

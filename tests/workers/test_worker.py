@@ -252,6 +252,64 @@ async def test_bad_requests(client: httpx.AsyncClient, generator: EngineGenerato
     body = {"request_id": "x", "prompt_token_ids": [10**6]}
     resp = await client.post("/generate", json=body, headers=AUTH)
     assert resp.status_code == 400
+    # logit_bias: a token the model does not have, a bias past OpenAI's range: 400, no stream.
+    for bias, words in (({"49152": 1.0}, "out of vocabulary"), ({"5": 101}, "must be in [-100, 100]")):
+        body = {"request_id": "x", "prompt_token_ids": [1, 2], "sampling": {"logit_bias": bias}}
+        resp = await client.post("/generate", json=body, headers=AUTH)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "logit_bias" and words in err["message"], err
+
+
+async def test_logprobs_are_the_engines_per_token_id(
+    client: httpx.AsyncClient, generator: EngineGenerator, model_dir: Path
+) -> None:
+    from workers.engine import LLM
+    from workers.engine import SamplingParams as EngineParams
+
+    prompt = _chat(generator.tokenizer, "Name three colours.")
+    deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    assert len(deltas) > 1  # streamed: each delta carries the logprobs of its own tokens
+    for d in deltas:
+        assert d.logprobs is not None and d.top_logprobs is not None
+        assert len(d.logprobs) == len(d.top_logprobs) == len(d.token_ids)
+        assert all(
+            len(top) == 5 and top[0][0] == t for t, top in zip(d.token_ids, d.top_logprobs, strict=True)
+        )
+    ids = [t for d in deltas for t in d.token_ids]
+    logprobs = [lp for d in deltas for lp in d.logprobs or []]
+    tops = [top for d in deltas for top in d.top_logprobs or []]
+
+    llm = LLM(str(model_dir), kv_cache_gib=0.1)
+    (ref,) = llm.generate([prompt], EngineParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5))
+    del llm
+    want = ref.outputs[0]
+    assert ids == want.token_ids and want.logprobs is not None and want.top_logprobs is not None
+    assert logprobs == pytest.approx(want.logprobs, abs=1e-4)  # the worker's prompt may come from its cache
+    for got, expected in zip(tops, want.top_logprobs, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+    # logprobs=0: the sampled token's only; without logprobs: none at all.
+    deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=3, logprobs=0)
+    assert all(d.logprobs is not None and len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert all(d.top_logprobs == [[] for _ in d.token_ids] for d in deltas)
+    deltas, _ = await _generate(client, prompt, temperature=0, max_tokens=3)
+    assert all(d.logprobs is None and d.top_logprobs is None for d in deltas)
+
+
+async def test_logit_bias_reaches_the_engine(client: httpx.AsyncClient, generator: EngineGenerator) -> None:
+    prompt = _chat(generator.tokenizer, "What is the capital of France?")
+    plain, text = await _generate(client, prompt, temperature=0, max_tokens=4)
+    first = plain[0].token_ids[0]
+    assert text == "The capital of France"
+    banned, other = await _generate(client, prompt, temperature=0, max_tokens=4, logit_bias={first: -100.0})
+    assert banned[0].token_ids[0] != first and other != text
+    forced = generator.tokenizer.encode(" banana")
+    deltas, _ = await _generate(
+        client, prompt, temperature=0, max_tokens=3, ignore_eos=True, logit_bias={forced[0]: 100.0}
+    )
+    assert [t for d in deltas for t in d.token_ids] == forced * 3
 
 
 @pytest.mark.parametrize("path", ["/generate", "/health", "/metrics"])

@@ -513,6 +513,9 @@ class LLMEngine:
         stream = self._streams.pop(seq.seq_id)
         tail, _ = stream.stops.feed(stream.detok.flush())
         self._forget_if_done(seq.request_id)
+        # No tokens, so no logprobs; but empty lists, not None, when they were asked for: merged
+        # with earlier outputs (merge_outputs) None would drop theirs.
+        want = seq.params.logprobs is not None
         return Output(
             request_id=seq.request_id,
             index=stream.index,
@@ -522,6 +525,8 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens,
             completion_tokens=seq.num_completion_tokens,
+            logprobs=[] if want else None,
+            top_logprobs=[] if want else None,
         )
 
     @staticmethod

@@ -43,13 +43,18 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = only the sampled token's
     grammar: Grammar | None = None  # structured output: each sequence is masked to this grammar
+    # logit_bias as (token ids, biases) tensors, built by the sampler on first use: a biased row
+    # then costs the same few tensor ops each step however many tokens its bias names.
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         # Written as `not (ok)` so that NaN fails every check.
@@ -81,7 +86,7 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidParam("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
-        for token, bias in (self.logit_bias or {}).items():
+        for token, bias in self.logit_bias.items():
             if not token >= 0:
                 raise InvalidParam("logit_bias", f"logit_bias token ids must be non-negative, got {token}")
             if not -100 <= bias <= 100:
@@ -104,22 +109,31 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject logit_bias ids the model does not have (the engine calls this on admission)."""
-        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
             raise InvalidParam(
-                "logit_bias", f"logit_bias token ids out of vocabulary (size {vocab_size}): {bad}"
+                "logit_bias", f"logit_bias token ids out of vocabulary (size {vocab_size}): {bad[:10]}"
             )
+
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids: long, biases: float32) on the CPU, made once per request."""
+        if self._bias is None:
+            self._bias = (
+                torch.tensor(list(self.logit_bias), dtype=torch.long),
+                torch.tensor(list(self.logit_bias.values()), dtype=torch.float32),
+            )
+        return self._bias
 
     @classmethod
     def from_wire(cls, p: object) -> SamplingParams:
         """Convert a `tokenmill.protocol.SamplingParams`.
 
         Read by attribute name, so the engine does not import the gateway↔worker protocol, and
-        fields the wire type lacks (today `n` and `logit_bias`) keep their defaults.
+        fields the wire type lacks (today `n`) keep their defaults.
         """
         kwargs: dict[str, object] = {}
         for f in fields(cls):
-            if not hasattr(p, f.name):
+            if not f.init or not hasattr(p, f.name):
                 continue
             value = getattr(p, f.name)
             if isinstance(value, list):
@@ -163,18 +177,23 @@ class SampleOutput:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Add each row's logit_bias in place. Ids outside the vocabulary are ignored (see check_vocab)."""
-    vocab = logits.shape[1]
-    r, t, b = [], [], []
-    for i, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
-            if token < vocab:
-                r.append(i)
-                t.append(token)
-                b.append(bias)
-    if r:
-        idx = (torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device))
-        logits.index_put_(idx, torch.tensor(b, dtype=logits.dtype, device=logits.device), accumulate=True)
+    """Add each row's logit_bias in place, with one scatter for all biased rows; unbiased rows
+    cost nothing. Ids outside the vocabulary are ignored (the engine refuses them on admission:
+    see check_vocab)."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return
+    parts = [rows[i].params.bias_tensors() for i in biased]
+    tokens = torch.cat([t for t, _ in parts])
+    bias = torch.cat([b for _, b in parts])
+    row_ids = torch.tensor(biased).repeat_interleave(torch.tensor([len(t) for t, _ in parts]))
+    keep = tokens < logits.shape[1]
+    device = logits.device
+    logits.index_put_(
+        (row_ids[keep].to(device), tokens[keep].to(device)),
+        bias[keep].to(device=device, dtype=logits.dtype),
+        accumulate=True,
+    )
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:

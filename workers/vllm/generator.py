@@ -3,9 +3,12 @@
 A request goes to vLLM's streaming `/v1/completions` as it came from the gateway: the prompt
 as token ids, the sampling parameters, the tenant's `cache_salt` (vLLM salts its prefix cache
 with it, so tenants stay isolated there too), the adapter as the model, a grammar as vLLM's
-`structured_outputs`. vLLM streams text with token ids (`return_token_ids`); its last chunk
-carries the usage, `cached_tokens` included (`--enable-prompt-tokens-details`). Deltas come
-out as the builtin worker's do, with running counts and the same finish reasons.
+`structured_outputs`, `logit_bias` and `logprobs` as they are. vLLM streams text with token
+ids (`return_token_ids`), and logprobs keyed by token id (`return_tokens_as_token_ids`: ids,
+not strings that several tokens may share); its last chunk carries the usage, `cached_tokens`
+included (`--enable-prompt-tokens-details`). Deltas come out as the builtin worker's do, with
+running counts, the same finish reasons, and the same raw logprobs (vLLM's default
+`logprobs_mode`, computed before any logit processing, as our engine's).
 
 Validation is the builtin worker's (context length, vocabulary, sampling ranges, grammars),
 so a bad request gets the same 400 before the stream starts whichever engine serves it; what
@@ -74,10 +77,17 @@ class VllmServerExited(RuntimeError):
 # --- vLLM's stream, as much of it as we read ----------------------------------------------------
 
 
+class _Logprobs(msgspec.Struct):
+    token_logprobs: list[float | None] = []
+    # Per token: {"token_id:<id>": logprob} of the sampled token and the `logprobs` likeliest.
+    top_logprobs: list[dict[str, float] | None] = []
+
+
 class _Choice(msgspec.Struct):
     text: str = ""
     token_ids: list[int] | None = None
     finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
 
 
 class _Details(msgspec.Struct):
@@ -106,6 +116,37 @@ def _error_message(body: bytes) -> tuple[str, str | None]:
         return str(err.get("message") or body[:500].decode(errors="replace")), err.get("param")
     except (ValueError, AttributeError):
         return body[:500].decode(errors="replace") or "no details", None
+
+
+_TOKEN_ID_PREFIX = "token_id:"  # vLLM's spelling of a token under return_tokens_as_token_ids
+
+
+def _token_id(key: str) -> int:
+    if not key.startswith(_TOKEN_ID_PREFIX):
+        raise VllmFailed(f"vLLM named a token {key[:50]!r}, not by its id")
+    return int(key[len(_TOKEN_ID_PREFIX) :])
+
+
+def wire_logprobs(
+    token_ids: list[int], logprobs: _Logprobs | None, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """vLLM's logprobs of a chunk's tokens as the wire's: per token its logprob, and its `k`
+    likeliest (token id, logprob), best first. vLLM's dict per token holds the sampled token and
+    the top k, so k + 1 entries when the sampled one is not among them: that one is dropped."""
+    if logprobs is None or len(logprobs.token_logprobs) != len(token_ids):
+        raise VllmFailed("vLLM's logprobs do not match its tokens")
+    chosen: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for token, lp, top in zip(token_ids, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        if lp is None or top is None:
+            raise VllmFailed("vLLM sent a token without its logprob")
+        chosen.append(lp)
+        entries = [(_token_id(key), value) for key, value in top.items()]
+        if len(entries) > k:
+            entries = [e for e in entries if e[0] != token]
+        entries.sort(key=lambda e: -e[1])
+        tops.append(entries[:k])
+    return chosen, tops
 
 
 def _salt_ok(salt: str) -> bool:
@@ -267,6 +308,10 @@ class VllmGenerator:
             params = SamplingParams.from_wire(req.sampling)
         except ValueError as exc:
             raise InvalidRequest(str(exc), getattr(exc, "param", None)) from exc
+        try:
+            params.check_vocab(self.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "logit_bias") from exc
         if params.grammar is not None:
             try:  # compiled without the tokenizer (cheap); vLLM compiles it for real
                 params.grammar.check()
@@ -306,6 +351,11 @@ class VllmGenerator:
             body["seed"] = seed - (1 << 64) if seed >= 1 << 63 else seed
         if s.grammar is not None:
             body["structured_outputs"] = structured_outputs(s.grammar.kind, s.grammar.spec)
+        if s.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
+        if s.logprobs is not None:
+            body["logprobs"] = s.logprobs
+            body["return_tokens_as_token_ids"] = True
         if req.cache_salt:
             body["cache_salt"] = req.cache_salt
         if self._priorities and req.priority:
@@ -343,6 +393,7 @@ class VllmGenerator:
 
     async def _stream(self, req: GenerateRequest, vllm_id: str) -> AsyncIterator[GenerateDelta]:
         prompt_tokens = len(req.prompt_token_ids)
+        k = req.sampling.logprobs
         payload = msgspec.json.encode(self.body(req, vllm_id))
         headers = {"content-type": "application/json"}
         try:
@@ -385,6 +436,10 @@ class VllmGenerator:
                             prompt_tokens=prompt_tokens,
                             completion_tokens=completion,
                         )
+                        if k is not None:
+                            delta.logprobs, delta.top_logprobs = (
+                                wire_logprobs(ids, choice.logprobs, k) if ids else ([], [])
+                            )
                         if choice.finish_reason is None:
                             if ids or choice.text:
                                 yield delta
