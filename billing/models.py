@@ -75,6 +75,14 @@ class UsageEvent(Base):
     duration_ms: Mapped[float | None]
     status: Mapped[str] = mapped_column(String(20), default="ok")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The request's context, for the caller's own reconciliation (exports): OpenAI's `user`
+    # (their end user; a reserved word in SQL, which SQLAlchemy quotes), their
+    # X-Client-Request-Id, and the tier it ran at (default | flex). The server default keeps
+    # writers that predate the tier (a consumer of the previous release mid-rollout, raw-SQL
+    # fills) inserting, as default-tier requests, which is what they all were.
+    user: Mapped[str | None] = mapped_column(String(256))
+    client_request_id: Mapped[str | None] = mapped_column(String(512))
+    service_tier: Mapped[str] = mapped_column(String(10), default="default", server_default="default")
 
 
 class UsageRollup(Base):

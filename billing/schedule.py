@@ -30,6 +30,7 @@ from billing.common import parse_time as parse_param
 from billing.exports.services import export_query, stream_export
 from billing.jobs import build_invoices, finalize_invoices, rollup_hours
 from billing.stripe.services import stripe_sync_job
+from control_plane.responses.services import purge_expired as purge_expired_responses
 from tokenmill.db import utcnow
 from tokenmill.storage import open_storage
 from tokenmill.tasks import Background
@@ -193,6 +194,12 @@ async def finalize_last_month(ctx: JobContext, now: datetime, *, month: str | No
     return await finalize_invoices(ctx.sessionmaker, start, now=now)
 
 
+async def purge_responses(ctx: JobContext, now: datetime) -> dict[str, int]:
+    """Delete the stored responses of /v1/responses that have expired (they are already 404:
+    this only frees the space)."""
+    return {"purged": await purge_expired_responses(ctx.sessionmaker, now)}
+
+
 async def export_to_storage(
     ctx: JobContext,
     now: datetime,
@@ -230,6 +237,8 @@ def jobs(settings: Settings) -> list[Job]:
         Job("rollup_hours", Cron(minute=settings.rollup_minute), rollup_recent_hours, expires=3600),
         Job("invoices", Cron(**at_invoice_time), refresh_draft_invoices, expires=86400),
         Job("finalize_invoices", Cron(**at_invoice_time, day=1), finalize_last_month),
+        # Not billing's own job, but this is the one schedule (control_plane/responses owns the table).
+        Job("purge_responses", Every(3600.0), purge_responses, expires=3600),
     ]
     if settings.stripe_sync_minutes > 0:  # does nothing without TOKENMILL_STRIPE_API_KEY
         interval = settings.stripe_sync_minutes * 60.0

@@ -6,7 +6,6 @@ import logging
 import re
 from typing import Annotated, Any, TypeAlias, TypeVar
 
-import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.enums import RequestEncodingType
 from litestar.exceptions import HTTPException, ValidationException
@@ -15,6 +14,7 @@ from litestar.types import Message, Scope
 
 from gateway.services import Caller, Gateway
 from tokenmill.errors import APIError, error_body, exception_handlers
+from tokenmill.openai_responses import RESPONSES_PARAMETERS
 from tokenmill.openai_shapes import (
     completion_responses,
     embedding_list,
@@ -34,6 +34,7 @@ from tokenmill.openai_types import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    Parameters,
 )
 
 log = logging.getLogger("tokenmill.gateway")
@@ -61,7 +62,8 @@ async def require_api_key(request: Request) -> None:
     gateway: Gateway = request.app.state.gateway
     with auth_failures(request):
         request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
-    client_request_id(request.headers.get("x-client-request-id"))
+    # Kept for the usage event of the request (`Gateway.admit`).
+    request.state.client_request_id = client_request_id(request.headers.get("x-client-request-id"))
 
 
 # The handlers take the gateway and the caller (set by `require_api_key`) from the app and
@@ -160,10 +162,11 @@ _validation_default = exception_handlers()[ValidationException]
 # msgspec's words for a name a request struct does not declare (`forbid_unknown_fields`); at the
 # top level of the body they come with no "- at `$...`" location.
 _UNKNOWN = re.compile(r"Object contains unknown field `(.+)`")
-_BODIES: dict[str, type[msgspec.Struct]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest,
+_BODIES: dict[str, Parameters] = {
+    "/v1/chat/completions": PARAMETERS[ChatCompletionRequest],
+    "/v1/completions": PARAMETERS[CompletionRequest],
+    "/v1/embeddings": PARAMETERS[EmbeddingRequest],
+    "/v1/responses": RESPONSES_PARAMETERS,
 }
 
 
@@ -173,11 +176,11 @@ def _validation(request: Request, exc: ValidationException) -> Response:
     extra = exc.extra if isinstance(exc.extra, list) else []
     message = str(extra[0].get("message", "")) if extra and isinstance(extra[0], dict) else ""
     unknown = _UNKNOWN.fullmatch(message)
-    body = _BODIES.get(request.scope["path"])
-    if unknown is None or body is None:
+    known = _BODIES.get(request.scope["path"])
+    if unknown is None or known is None:
         return _validation_default(request, exc)
     name = unknown.group(1)
-    text = PARAMETERS[body].refused.get(name) or f"Unrecognized request argument supplied: {name}"
+    text = known.refused.get(name) or f"Unrecognized request argument supplied: {name}"
     return Response(error_body(text, "invalid_request_error", None, name), status_code=400)
 
 
@@ -201,7 +204,7 @@ class OpenAIController(Controller):
         responses=error_responses(400, 401, 403, 500),
     )
     async def list_models(self, request: Request) -> ModelList:
-        models = await _gateway(request).models(_caller(request))
+        models = await _gateway(request).catalog.models(_caller(request))
         return ModelList(data=[ModelCard(id=n, created=c, owned_by=o) for n, c, o in models])
 
     @get(
@@ -211,7 +214,7 @@ class OpenAIController(Controller):
     )
     async def retrieve_model(self, request: Request, model: FromPath[str]) -> ModelCard:
         # A `path` parameter: model names may hold '/' (the SDK sends it percent-encoded).
-        name, created, owner = await _gateway(request).model(_caller(request), model.lstrip("/"))
+        name, created, owner = await _gateway(request).catalog.model(_caller(request), model.lstrip("/"))
         return ModelCard(id=name, created=created, owned_by=owner)
 
     @post(
@@ -244,7 +247,9 @@ class OpenAIController(Controller):
         self, request: Request, data: OpenAIBody[EmbeddingRequest]
     ) -> Response[EmbeddingList]:
         gateway = _gateway(request)
-        admitted = await gateway.admit(_caller(request), request_id(request), data)
+        admitted = await gateway.admit(
+            _caller(request), request_id(request), data, client_request_id=request.state.client_request_id
+        )
         try:
             result = await gateway.embed(admitted)
             body = embedding_list(data, admitted.target.model, result.embeddings, result.prompt_tokens)
@@ -256,10 +261,19 @@ class OpenAIController(Controller):
 
 async def _generate(request: Request, data: ChatCompletionRequest | CompletionRequest) -> Response:
     gateway = _gateway(request)
-    admitted = await gateway.admit(_caller(request), request_id(request), data)
+    admitted = await gateway.admit(
+        _caller(request), request_id(request), data, client_request_id=request.state.client_request_id
+    )
     # `respond` starts the stream at once: from then on, however the request ends, the
     # stream's end gives back its limits and meters it.
     deltas = gateway.stream(admitted)
     return await respond(
-        request, data, admitted.target.model, admitted.request_id, deltas, headers=admitted.headers
+        request,
+        data,
+        admitted.target.model,
+        admitted.request_id,
+        deltas,
+        headers=admitted.headers,
+        choices=admitted.choices,
+        tier=admitted.service_tier,
     )

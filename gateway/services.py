@@ -12,14 +12,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.catalog.services import CatalogService
 from gateway.admission import Admitter, Ticket
-from gateway.embeddings import check_dimensions, vector_size
+from gateway.catalog import Catalog, Target
+from gateway.embeddings import check_dimensions
 from gateway.fleet import FleetView, WorkerState
 from gateway.keys import Caller, KeyCache
 from gateway.prep import Prep
@@ -27,41 +28,33 @@ from gateway.upstream import Upstream, UpstreamError
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
 from tokenmill.hashing import extra_keys, hash_blocks
-from tokenmill.modelstore import resolve_model
-from tokenmill.openai_shapes import Prompt, chat_prompt, completion_prompt, embedding_inputs, model_not_found
-from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenmill.openai_shapes import (
+    ONE,
+    ChoiceDelta,
+    Choices,
+    Prompt,
+    chat_prompt,
+    completion_prompts,
+    embedding_inputs,
+    total,
+)
+from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ServiceTier
 from tokenmill.protocol import USAGE, EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, UsageRecord
-from tokenmill.request_limits import RequestLimits, check_chat, check_completion, check_embedding
+from tokenmill.request_limits import (
+    RequestLimits,
+    check_chat,
+    check_completion,
+    check_embedding,
+    service_tier,
+)
 from tokenmill.settings import Settings
-from tokenmill.storage import open_storage
-from tokenmill.tokenization import Tokenizer
 
 log = logging.getLogger("tokenmill.gateway")
 
 MAX_ATTEMPTS = 3
-# How long a resolved model name is reused without reading the catalogue again, and how many
-# (organisation, name) pairs are kept.
-CATALOG_TTL = 5.0
-CATALOG_MAX = 10_000
-
-
-@dataclass(slots=True, frozen=True)
-class Target:
-    deployment_id: str
-    model: str  # the public name the caller asked for
-    model_id: str
-    source: str
-    context_length: int
-    defaults: dict[str, float]  # sampling parameters a request leaves out
-    adapter_id: str | None = None
-    kind: str = "generate"  # of the deployment: generate | embed
-    dedicated: bool = False  # billed by GPU-hour, so its tokens cost nothing per token
-    adapter_key: str | None = None  # storage folder of the adapter's files, for the worker
-
-    @property
-    def priced_model(self) -> str | None:
-        """The model whose token prices this request pays, if any."""
-        return None if self.dedicated else self.model_id
+# The engine's priority class of each service tier (lower runs first): flex is batch work,
+# scheduled behind every default request waiting on the same worker.
+TIER_PRIORITY: dict[ServiceTier, int] = {"default": 0, "flex": 1}
 
 
 @dataclass(slots=True)
@@ -72,8 +65,19 @@ class Admitted:
     caller: Caller
     target: Target
     ticket: Ticket
-    prompt: Prompt | None = None  # generation
+    prompts: list[Prompt] | None = None  # generation: each served as `choices.n` sequences
+    choices: Choices = ONE  # how its sequences become its choices
     inputs: list[list[int]] | None = None  # embeddings
+    # The request's context, recorded on its usage event: OpenAI's `user` (the caller's end
+    # user), the caller's X-Client-Request-Id, and the tier it runs at.
+    user: str | None = None
+    client_request_id: str | None = None
+    service_tier: ServiceTier = "default"
+
+    @property
+    def priority(self) -> int:
+        """The engine's priority class this request runs at (`GenerateRequest.priority`)."""
+        return TIER_PRIORITY[self.service_tier]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -108,11 +112,7 @@ class Gateway:
             "authorization": f"Bearer {settings.worker_credential}",
             "content-type": "application/json",
         }
-        self._tokenizers: dict[str, asyncio.Future[Tokenizer]] = {}
-        # Length of the vectors an embedding model makes, per source, read with its tokenizer.
-        self._dimensions: dict[str, int | None] = {}
-        self._targets: dict[tuple[str, str], tuple[Target, float]] = {}
-        self._resolving: dict[tuple[str, str], asyncio.Future[Target]] = {}
+        self.catalog = Catalog(settings, sessionmaker)
         self._delta = msgspec.json.Decoder(GenerateDelta)
         self._embedded = msgspec.json.Decoder(EmbedResponse)
 
@@ -121,96 +121,6 @@ class Gateway:
     async def authenticate(self, authorization: str | None) -> Caller:
         return await self.keys.caller(authorization)
 
-    async def models(self, caller: Caller) -> list[tuple[str, int, str]]:
-        """(name, created, owner) of every model the caller may use: deployments it can see
-        and its organisation's own adapters."""
-        async with self.sessionmaker() as session:
-            catalog = CatalogService(session)
-            rows = await catalog.visible_deployments(caller.org_id)
-            adapters = await catalog.adapters(caller.org_id)
-        served = {m.id for d, m in rows if d.kind == "generate" and d.org_id is None}
-        out = [(d.name, int(d.created_at.timestamp()), d.org_id or "tokenmill") for d, _ in rows]
-        out += [(a.name, int(a.created_at.timestamp()), a.org_id) for a in adapters if a.model_id in served]
-        return sorted(o for o in out if caller.may_use(o[0]))
-
-    async def model(self, caller: Caller, name: str) -> tuple[str, int, str]:
-        """(name, created, owner) of one model the caller may use: `models` filtered, so
-        retrieving follows the listing's rules exactly; 404 for anything it does not list."""
-        for found in await self.models(caller):
-            if found[0] == name:
-                return found
-        raise model_not_found(name)
-
-    async def resolve(self, caller: Caller, name: str, kind: str = "generate") -> Target:
-        target = await self._resolve(caller.org_id, name)
-        if not caller.may_use(name):
-            raise model_not_found(name)
-        if target.kind != kind:
-            does = "generate text" if kind == "generate" else "compute embeddings"
-            raise APIError(400, f"The model '{name}' does not {does}.", param="model")
-        return target
-
-    async def _resolve(self, org_id: str, name: str) -> Target:
-        """What `name` means to `org_id`, from the catalogue read at most once per
-        `CATALOG_TTL` seconds. Only hits are cached: a model that appears is usable at once,
-        a changed or removed one serves its old meaning for at most the TTL."""
-        key = (org_id, name)
-        hit = self._targets.get(key)
-        if hit is not None and hit[1] > time.monotonic():
-            return hit[0]
-        # Concurrent misses (every request in flight, when an entry expires) share one read.
-        fut = self._resolving.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(self._load_target(org_id, name))
-            self._resolving[key] = fut
-            fut.add_done_callback(lambda _: self._resolving.pop(key, None))
-        return await asyncio.shield(fut)
-
-    async def _load_target(self, org_id: str, name: str) -> Target:
-        async with self.sessionmaker() as session:
-            dep, model, adapter = await CatalogService(session).resolve(name, org_id)
-        target = Target(
-            dep.id,
-            name,
-            model.id,
-            model.source,
-            model.context_length,
-            (dep.config or {}).get("sampling") or {},
-            adapter.id if adapter else None,
-            dep.kind,
-            dep.type == "dedicated",
-            adapter_key=adapter.storage_key if adapter else None,
-        )
-        if len(self._targets) >= CATALOG_MAX:  # many orgs x names: start over rather than grow
-            self._targets.clear()
-        self._targets[(org_id, name)] = (target, time.monotonic() + CATALOG_TTL)
-        return target
-
-    async def tokenizer(self, target: Target) -> Tokenizer:
-        # One load per model, shared by concurrent first requests; resolving may convert
-        # the model (seconds), so it runs in a thread.
-        fut = self._tokenizers.get(target.source)
-        if fut is None:
-            fut = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, target.source))
-            self._tokenizers[target.source] = fut
-        try:
-            return await asyncio.shield(fut)
-        except Exception:
-            self._tokenizers.pop(target.source, None)
-            raise
-
-    def _load_tokenizer(self, source: str) -> Tokenizer:
-        # A stored model (`store:`) is fetched once, like a worker fetches it.
-        storage = lambda: open_storage(self.settings)  # noqa: E731 - opened only for `store:`
-        path = resolve_model(source, self.settings.cache_dir, storage=storage)
-        self._dimensions[source] = vector_size(path)
-        return Tokenizer.from_dir(path)
-
-    async def embedding_dimensions(self, target: Target) -> int | None:
-        """How long the vectors of `target`'s model are (None if its files do not say)."""
-        await self.tokenizer(target)
-        return self._dimensions.get(target.source)
-
     # --- admission -----------------------------------------------------------------------
 
     async def admit(
@@ -218,11 +128,14 @@ class Gateway:
         caller: Caller,
         request_id: str,
         body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
+        *,
+        client_request_id: str | None = None,
     ) -> Admitted:
         """Count the request, then resolve its model, prepare its prompt and admit its tokens;
         raises APIError (with the `x-ratelimit-*` headers known so far) when it may not run.
         What this returns holds limits and a budget hold: serve it with `stream` or `embed`,
-        which give them back however the request ends."""
+        which give them back however the request ends. `client_request_id` (the caller's
+        X-Client-Request-Id) is only recorded."""
         headers = await self.admitter.count(caller, request_id)
         try:
             admitted = await self._prepare(caller, request_id, body)
@@ -230,6 +143,7 @@ class Gateway:
             exc.headers = {**headers, **exc.headers}
             raise
         admitted.ticket.headers = {**headers, **admitted.ticket.headers}
+        admitted.client_request_id = client_request_id
         return admitted
 
     async def _prepare(
@@ -242,33 +156,46 @@ class Gateway:
         loop when large), then its tokens, concurrency and budget hold."""
         org, limits = caller.org_id, self.limits
         if isinstance(body, EmbeddingRequest):
-            target = await self.resolve(caller, body.model, kind="embed")
+            target = await self.catalog.resolve(caller, body.model, kind="embed")
             size = check_embedding(body, limits)
-            tok = await self.tokenizer(target)
+            tok = await self.catalog.tokenizer(target)
             if body.dimensions is not None:
-                check_dimensions(body.dimensions, target.model, await self.embedding_dimensions(target))
+                size_of = await self.catalog.embedding_dimensions(target)
+                check_dimensions(body.dimensions, target.model, size_of)
             inputs = await self.prep.run(
                 org, size, embedding_inputs, body, tok, context_length=target.context_length
             )
             ticket = await self._admit(caller, target.priced_model, request_id, sum(map(len, inputs)), 0)
-            return Admitted(request_id, caller, target, ticket, inputs=inputs)
-        target = await self.resolve(caller, body.model)
+            return Admitted(request_id, caller, target, ticket, inputs=inputs, user=body.user)
+        target = await self.catalog.resolve(caller, body.model)
         chat = isinstance(body, ChatCompletionRequest)
         size = check_chat(body, limits) if chat else check_completion(body, limits)  # type: ignore[arg-type]
-        tok = await self.tokenizer(target)
-        prompt = await self.prep.run(
-            org,
-            size,
-            chat_prompt if chat else completion_prompt,  # type: ignore[arg-type]
-            body,
-            tok,
-            context_length=target.context_length,
-            defaults=target.defaults,
+        tok = await self.catalog.tokenizer(target)
+        context, defaults = target.context_length, target.defaults
+        if isinstance(body, ChatCompletionRequest):
+            prompt = await self.prep.run(
+                org, size, chat_prompt, body, tok, context_length=context, defaults=defaults, single=False
+            )
+            prompts = [prompt]
+        else:
+            prompts = await self.prep.run(
+                org, size, completion_prompts, body, tok, context_length=context, defaults=defaults
+            )
+        # The worst case is charged: each prompt once (as it is billed), `n` completions of each.
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        max_tokens = body.n * sum(p.sampling.max_tokens for p in prompts)
+        ticket = await self._admit(caller, target.priced_model, request_id, prompt_tokens, max_tokens)
+        tier = service_tier(body.service_tier) if isinstance(body, ChatCompletionRequest) else "default"
+        return Admitted(
+            request_id,
+            caller,
+            target,
+            ticket,
+            prompts=prompts,
+            choices=Choices.of(body, prompts, tok),
+            user=body.user,
+            service_tier=tier,
         )
-        ticket = await self._admit(
-            caller, target.priced_model, request_id, len(prompt.token_ids), prompt.sampling.max_tokens
-        )
-        return Admitted(request_id, caller, target, ticket, prompt=prompt)
 
     async def _admit(
         self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
@@ -293,47 +220,91 @@ class Gateway:
 
     # --- generation ----------------------------------------------------------------------
 
-    async def stream(self, admitted: Admitted) -> AsyncGenerator[GenerateDelta, None]:
-        """Deltas from a worker; retried on another worker until the first token arrives.
+    async def stream(self, admitted: Admitted) -> AsyncGenerator[ChoiceDelta, None]:
+        """The deltas of every choice of the request as they come, each tagged with its
+        choice: `n` sequences per prompt (choice i answers prompt i // n), each from a worker
+        and retried on another until its first token arrives (`_sequence`). A sequence that
+        fails after that fails the request.
 
         Exactly one usage event is published however this ends (finish, error, client
-        gone), and the limits and budget hold are settled. Whoever admitted the request must
-        start this generator at once (`respond` does): its `finally` is what settles.
+        gone), with the tokens of all its sequences, and the limits and budget hold are
+        settled. Whoever admitted the request must start this generator at once (`respond`
+        does): its `finally` is what settles.
         """
-        caller, target, prompt = admitted.caller, admitted.target, admitted.prompt
-        request_id = admitted.request_id
-        assert prompt is not None
+        caller, target, prompts, n = admitted.caller, admitted.target, admitted.prompts, admitted.choices.n
+        assert prompts
         started = time.monotonic()
         deadline = started + self.settings.max_stream_seconds
         ttft: float | None = None
-        # Only what a worker reports is billed: a request no worker took costs nothing.
-        last = GenerateDelta()
+        # Only what workers report is billed: a request no worker took costs nothing.
+        lasts: dict[int, GenerateDelta] = {}
         status = "error"
         try:
-            body = msgspec.json.encode(
-                GenerateRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt.token_ids,
-                    sampling=prompt.sampling,
-                    adapter=target.adapter_id,
-                    cache_salt=caller.cache_salt,
-                    fairness_key=caller.org_id,
-                    adapter_key=target.adapter_key,
-                )
-            )
-            # The prompt's chained block hashes, salted per organisation (and adapter) exactly
+            # Each prompt's chained block hashes, salted per organisation (and adapter) exactly
             # as the engine salts them, so the router can find the worker that holds its prefix.
             extra = extra_keys(caller.cache_salt, target.adapter_id)
-            hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
-            tried: set[str] = set()
-            while True:
-                worker = await self._worker(target, request_id, tried, hashes)
-                tried.add(worker.worker_id)
-                worker.inflight += 1
-                try:
-                    async for delta in self._stream(worker, body):
-                        if ttft is None:
-                            ttft = time.monotonic() - started
+            sequences = []
+            for p, prompt in enumerate(prompts):
+                hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
+                sequences += [self._sequence(admitted, p * n + k, hashes, deadline) for k in range(n)]
+            merged = sequences[0] if len(sequences) == 1 else _merge(sequences)
+            async with aclosing(merged):
+                async for item in merged:
+                    if ttft is None:
+                        ttft = time.monotonic() - started
+                    lasts[item.index] = item.delta
+                    yield item
+            ends = (lasts[i].finish_reason for i in sorted(lasts))
+            status = next((e for e in ends if e in ("error", "abort")), "ok")
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "cancelled"
+            raise
+        finally:
+            await self._finish(admitted, total(lasts, n), status, ttft, time.monotonic() - started)
+
+    async def _sequence(
+        self, admitted: Admitted, index: int, hashes: list[str], deadline: float
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """Choice `index`'s deltas from a worker; retried on another worker until the first
+        token arrives."""
+        caller, target, prompts, n = admitted.caller, admitted.target, admitted.prompts, admitted.choices.n
+        assert prompts
+        prompt = prompts[index // n]
+        sampling = prompt.sampling
+        if index % n and sampling.seed is not None:
+            # The `n` choices of a seeded request differ, and each is reproducible.
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index % n)
+        # A request of several sequences gives each its own id at the workers (`<id>.<choice>`);
+        # the usage event keeps the request's.
+        fanned = len(prompts) * n > 1
+        request_id = f"{admitted.request_id}.{index}" if fanned else admitted.request_id
+        body = msgspec.json.encode(
+            GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt.token_ids,
+                sampling=sampling,
+                adapter=target.adapter_id,
+                cache_salt=caller.cache_salt,
+                priority=admitted.priority,
+                fairness_key=caller.org_id,
+                adapter_key=target.adapter_key,
+            )
+        )
+        logprobs = sampling.logprobs is not None
+        tried: set[str] = set()
+        first = True
+        while True:
+            worker = await self._worker(target, request_id, tried, hashes)
+            tried.add(worker.worker_id)
+            worker.inflight += 1
+            try:
+                async with aclosing(self._stream(worker, body)) as deltas:
+                    async for delta in deltas:
+                        if logprobs and delta.token_ids and delta.logprobs is None:
+                            # A worker of a version that does not compute them: another may.
+                            raise _WorkerFailed("its deltas carry no logprobs")
+                        if first:
+                            first = False
                         elif time.monotonic() > deadline:
                             # A rollout waits this long for streams in flight: none may outlast it.
                             raise APIError(
@@ -342,23 +313,16 @@ class Gateway:
                                 "seconds a request may last; ask for fewer tokens.",
                                 code="stream_too_long",
                             )
-                        last = delta
-                        yield delta
-                    status = "ok" if last.finish_reason not in ("error", "abort") else last.finish_reason
-                    return
-                except (UpstreamError, _WorkerFailed) as exc:
-                    self.fleet.forget(worker.worker_id)
-                    if ttft is not None or len(tried) >= MAX_ATTEMPTS:
-                        log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
-                        raise _worker_failure(exc, "The model worker") from exc
-                    log.info("worker %s failed before the first token; retrying elsewhere", worker.worker_id)
-                finally:
-                    worker.inflight -= 1
-        except (GeneratorExit, asyncio.CancelledError):
-            status = "cancelled"
-            raise
-        finally:
-            await self._finish(admitted, last, status, ttft, time.monotonic() - started)
+                        yield ChoiceDelta(index, delta)
+                return
+            except (UpstreamError, _WorkerFailed) as exc:
+                self.fleet.forget(worker.worker_id)
+                if not first or len(tried) >= MAX_ATTEMPTS:
+                    log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
+                    raise _worker_failure(exc, "The model worker") from exc
+                log.info("worker %s failed before the first token; retrying elsewhere", worker.worker_id)
+            finally:
+                worker.inflight -= 1
 
     async def embed(self, admitted: Admitted) -> EmbedResponse:
         """Embeddings of the admitted inputs from a worker of the embed deployment, retried on
@@ -449,6 +413,9 @@ class Gateway:
             duration_ms=duration * 1000,
             status=status,
             ts=time.time(),
+            user=admitted.user,
+            client_request_id=admitted.client_request_id,
+            service_tier=admitted.service_tier,
         )
         # Both at once (on Redis they go out in one write), shielded: a cancelled request
         # (client gone) must still settle and be metered.
@@ -464,6 +431,40 @@ class Gateway:
 
 class _WorkerFailed(Exception):
     pass
+
+
+async def _merge(sequences: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of all `sequences` as they come, each sequence pumped by a task of its own.
+    The first failure of one ends this (raised here); closing this cancels the tasks, which
+    closes every sequence (and its worker stream) at once."""
+    # Unbounded: a sequence yields at most its max_tokens, and a pump must never wait.
+    queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
+
+    async def pump(sequence: AsyncGenerator[ChoiceDelta, None]) -> None:
+        try:
+            async with aclosing(sequence):
+                async for item in sequence:
+                    queue.put_nowait(item)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)  # this one is done
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sequences]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _worker_failure(exc: Exception, who: str) -> APIError:

@@ -11,7 +11,8 @@ import billing.models  # noqa: F401  (registers tables on Base.metadata)
 import control_plane.audit.models
 import control_plane.catalog.models
 import control_plane.orgs.models
-import control_plane.plans.models  # noqa: F401
+import control_plane.plans.models
+import control_plane.responses.models  # noqa: F401
 from tokenmill.db import Base, async_url, make_engine
 
 target_metadata = Base.metadata

@@ -16,13 +16,15 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import JSON, Integer, column, insert, inspect, select, table, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import TableClause
 
 import billing.models  # noqa: F401  (registers its tables on Base.metadata)
 import control_plane.audit.models
 import control_plane.catalog.models
 import control_plane.orgs.models
-import control_plane.plans.models  # noqa: F401
+import control_plane.plans.models
+import control_plane.responses.models  # noqa: F401
 import migrations
 from tokenmill.db import Base, make_engine
 
@@ -164,5 +166,61 @@ async def test_0008_moves_the_gpu_count_into_its_column_and_back(db_url: str) ->
             assert back["dep_four"] == {"resources": {"memory": "64Gi", "gpus": 4}, "adapters": ["x"]}
             assert back["dep_one"] == {"autoscaling": {"target_concurrency": 2}}
             assert back["dep_cpu"] is None
+    finally:
+        await engine.dispose()
+
+
+async def _usage_columns(conn: AsyncConnection) -> set[str]:
+    return {c["name"] for c in await conn.run_sync(lambda c: inspect(c).get_columns("usage_events"))}
+
+
+async def test_0009_gives_past_usage_events_the_default_tier_and_back(db_url: str) -> None:
+    """Events recorded before 0009 ran at the default tier, with no `user` or client id known,
+    and so do those a writer without the columns inserts after it; new events keep all three
+    (`user` is a reserved word in SQL: quoted on both databases). A downgrade drops the columns
+    and keeps the events."""
+    await asyncio.to_thread(migrations.upgrade, db_url, "0008")
+    now = datetime.now(UTC)
+    base = ("request_id", "org_id", "model", "status")
+    counts = {"prompt_tokens": Integer(), "cached_tokens": Integer(), "completion_tokens": Integer()}
+    old = _table("usage_events", *base, **counts, created_at=DATETIME)
+    new = _table(
+        "usage_events", *base, "user", "client_request_id", "service_tier", **counts, created_at=DATETIME
+    )
+    row = {"org_id": "org_a", "model": "m", "status": "ok", "created_at": now}
+    row |= {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 1}
+    engine = make_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(insert(old).values(request_id="req_old", **row))
+        await asyncio.to_thread(migrations.upgrade, db_url, "0009")
+        async with engine.begin() as conn:
+            # A writer that predates the columns (the last release's consumer, mid-rollout).
+            await conn.execute(insert(old).values(request_id="req_rollout", **row))
+            await conn.execute(
+                insert(new).values(
+                    request_id="req_new",
+                    user="end-user ✓",
+                    client_request_id="trace-1",
+                    service_tier="flex",
+                    **row,
+                )
+            )
+        c = new.c
+        async with engine.connect() as conn:
+            got = await conn.execute(select(c.request_id, c.user, c.client_request_id, c.service_tier))
+            assert {r[0]: tuple(r[1:]) for r in got} == {
+                "req_old": (None, None, "default"),
+                "req_rollout": (None, None, "default"),
+                "req_new": ("end-user ✓", "trace-1", "flex"),
+            }
+        await asyncio.to_thread(migrations.downgrade, db_url, "0008")
+        async with engine.connect() as conn:
+            assert not {"user", "client_request_id", "service_tier"} & await _usage_columns(conn)
+            kept = set((await conn.execute(select(old.c.request_id))).scalars())
+            assert kept == {"req_old", "req_rollout", "req_new"}
+        await asyncio.to_thread(migrations.upgrade, db_url, "0009")
+        async with engine.connect() as conn:
+            assert set((await conn.execute(select(c.service_tier))).scalars()) == {"default"}
     finally:
         await engine.dispose()

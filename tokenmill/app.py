@@ -71,6 +71,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from gateway.fleet import FleetView
         from gateway.keys import KeyCache
         from gateway.prep import Prep
+        from gateway.responses import ResponsesController
         from gateway.services import Gateway
         from gateway.upstream import Upstream
         from tokenmill.bus import Publisher, RedisBus
@@ -130,7 +131,11 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         )
         # Bodies over the cap are refused (413) while they arrive, before any parsing.
         handlers.append(
-            Router("/", route_handlers=[OpenAIController], request_max_body_size=settings.max_request_bytes)
+            Router(
+                "/",
+                route_handlers=[OpenAIController, ResponsesController],
+                request_max_body_size=settings.max_request_bytes,
+            )
         )
         # x-request-id on every answer of /v1, also those Litestar gives before any route runs.
         before_send.append(stamp_request_ids)

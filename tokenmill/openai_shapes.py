@@ -15,9 +15,10 @@ import base64
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -34,10 +35,13 @@ from tokenmill.openai_types import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     ChatMessage,
+    ChatTokenLogprob,
     ChunkChoice,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     Embedding,
@@ -47,8 +51,10 @@ from tokenmill.openai_types import (
     ErrorResponse,
     FinishReason,
     PromptTokensDetails,
+    ServiceTier,
     ToolCall,
     ToolCallDelta,
+    TopLogprob,
     Usage,
 )
 from tokenmill.protocol import GenerateDelta, SamplingParams
@@ -84,16 +90,26 @@ def model_not_found(name: str) -> APIError:
 class Prompt:
     token_ids: list[int]
     sampling: SamplingParams
+    echo: str = ""  # the text each of its choices starts with (`echo`), else ""
 
 
 def chat_prompt(
-    req: ChatCompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
+    req: ChatCompletionRequest,
+    tok: Tokenizer,
+    *,
+    context_length: int,
+    defaults: Mapping[str, float],
+    single: bool = True,
 ) -> Prompt:
     """Render the chat template and tokenize; `defaults` fill sampling fields the request omits.
 
-    Tools and response formats become the grammar the engine holds the output to.
+    Tools and response formats become the grammar the engine holds the output to. `single`:
+    the caller streams one sequence as is (`one_sequence`); the gateway passes False.
     """
-    reject_unsupported(req.n, bool(req.logprobs))
+    if single:
+        one_sequence(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     plan = tool_plan(req)
     # A template that renders `tools` itself gets them (and history in HF's shape); others
     # get a system preamble and history in Tokenmill's tool-call format (tokenmill.structured).
@@ -120,7 +136,9 @@ def chat_prompt(
         raise APIError(400, f"Could not render the chat template: {exc}", param="messages") from exc
     max_tokens = req.max_completion_tokens or req.max_tokens
     ids = encode_prompt(tok, text, context_length, "messages", max_tokens)
-    sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
+    sampling = sampling_params(
+        req, ids, max_tokens, tok.vocab_size, context_length=context_length, defaults=defaults
+    )
     sampling.grammar = plan.grammar if plan is not None else response_grammar(req)
     return Prompt(ids, sampling)
 
@@ -228,38 +246,97 @@ def embedding_list(
 def completion_prompt(
     req: CompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
 ) -> Prompt:
-    """Tokenize a text prompt (or take token ids as they are)."""
-    reject_unsupported(req.n, req.logprobs is not None)
-    if req.echo or req.suffix:
-        raise APIError(400, "'echo' and 'suffix' are not supported yet.", param="echo")
+    """The one prompt of a request served as one sequence (`one_sequence`): a worker's own
+    endpoint."""
+    one_sequence(req)
+    if len(prompt_list(req.prompt)) != 1:
+        raise APIError(400, f"{_ONE} serves one prompt per request; {_GATEWAY}", param="prompt")
+    (prompt,) = completion_prompts(req, tok, context_length=context_length, defaults=defaults)
+    return prompt
+
+
+def completion_prompts(
+    req: CompletionRequest, tok: Tokenizer, *, context_length: int, defaults: Mapping[str, float]
+) -> list[Prompt]:
+    """Tokenize each text prompt (or take token ids as they are): one `Prompt` per prompt of
+    the request, in order, each to be served as `n` choices."""
+    if req.suffix:
+        raise APIError(
+            400,
+            "'suffix' is not supported: the models here continue a prompt, they do not fill in "
+            "text before a suffix.",
+            param="suffix",
+        )
     if req.best_of is not None and req.best_of != req.n:
         # Equal to `n` (what clients such as LangChain send by default) it changes nothing.
         raise APIError(400, "'best_of' other than 'n' is not supported.", param="best_of")
-    prompt = req.prompt
-    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
-        if len(prompt) != 1:
-            raise APIError(400, "Send one prompt per request for now.", param="prompt")
-        prompt = prompt[0]
+    if req.echo and req.logprobs is not None:
+        raise APIError(
+            400,
+            "'echo' with 'logprobs' is not supported: it would need the log probabilities of "
+            "the prompt's tokens, which are not computed. Send one of them.",
+            param="echo",
+        )
     max_tokens = req.max_tokens or 16
+    grammar = response_grammar(req)  # guided_json / guided_regex / ...
+    prompts = []
+    for prompt in prompt_list(req.prompt):
+        if isinstance(prompt, str):
+            ids, echo = encode_prompt(tok, prompt, context_length, "prompt", max_tokens), prompt
+        else:  # token ids
+            check_prompt(
+                prompt, context_length, param="prompt", max_tokens=max_tokens, vocab_size=tok.vocab_size
+            )
+            ids = prompt
+            echo = tok.decode(ids, skip_special_tokens=False) if req.echo else ""
+        sampling = sampling_params(
+            req, ids, max_tokens, tok.vocab_size, context_length=context_length, defaults=defaults
+        )
+        sampling.grammar = grammar
+        prompts.append(Prompt(ids, sampling, echo if req.echo else ""))
+    return prompts
+
+
+def prompt_list(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The prompts of a text completion request: a text, texts, token ids (one prompt), or
+    lists of token ids. (An empty list is one empty prompt, refused as such.)"""
     if isinstance(prompt, str):
-        ids = encode_prompt(tok, prompt, context_length, "prompt", max_tokens)
-    else:  # token ids
-        check_prompt(prompt, context_length, param="prompt", max_tokens=max_tokens, vocab_size=tok.vocab_size)
-        ids = prompt  # type: ignore[assignment]  # all ints: checked
-    sampling = sampling_params(req, ids, max_tokens, context_length=context_length, defaults=defaults)
-    sampling.grammar = response_grammar(req)  # guided_json / guided_regex / ...
-    return Prompt(ids, sampling)
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]  # all ints
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt  # type: ignore[return-value]  # all texts, or all lists of ints
+    raise APIError(400, "'prompt' must be a text, texts, token ids, or lists of token ids.", param="prompt")
+
+
+# A worker's own OpenAI endpoints stream one sequence as it comes; the gateway in front of the
+# workers fans a request out into its choices and shapes what needs the model's tokenizer.
+_ONE = "A worker's own endpoint"
+_GATEWAY = "send the request to the gateway, which serves it."
+
+
+def one_sequence(req: OpenAIRequest) -> None:
+    """Refuse what one sequence streamed as it comes cannot answer: `n` choices, log
+    probabilities (spelt with the tokenizer) and `echo`."""
+    if req.n != 1:
+        raise APIError(400, f"{_ONE} serves n = 1 only; {_GATEWAY}", param="n")
+    if req.logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs is not None:
+        raise APIError(400, f"{_ONE} does not return logprobs; {_GATEWAY}", param="logprobs")
+    if isinstance(req, CompletionRequest) and req.echo:
+        raise APIError(400, f"{_ONE} does not echo prompts; {_GATEWAY}", param="echo")
 
 
 def sampling_params(
     req: OpenAIRequest,
     ids: list[int],
     max_tokens: int | None,
+    vocab_size: int,
     *,
     context_length: int,
     defaults: Mapping[str, float],
 ) -> SamplingParams:
-    """Wire sampling parameters of a prompt checked to fit the context (`check_prompt`)."""
+    """Wire sampling parameters of a prompt checked to fit the context (`check_prompt`), for
+    a model of `vocab_size` tokens."""
     room = context_length - len(ids)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     d = defaults
@@ -280,7 +357,39 @@ def sampling_params(
         seed=req.seed,
         stop=stop,
         ignore_eos=req.ignore_eos,
+        # How many likeliest tokens to return beside each sampled one (None: no logprobs).
+        logprobs=((req.top_logprobs or 0) if req.logprobs else None)
+        if isinstance(req, ChatCompletionRequest)
+        else req.logprobs,
+        logit_bias=logit_bias(req.logit_bias, vocab_size),
     )
+
+
+# OpenAI's bounds of a `logit_bias` value: -100 all but bans a token, 100 all but forces it.
+MAX_BIAS = 100.0
+
+
+def logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` as the engine takes it: a 400 naming it for a key that is not a token id
+    of the model's vocabulary (as a string of digits) or a value outside [-100, 100]. (How
+    many entries it may have is `request_limits`' to check.)"""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) < 12 and int(key) < vocab_size):
+            raise APIError(
+                400,
+                f"'logit_bias' keys must be token ids of the model's vocabulary, from 0 to "
+                f"{vocab_size - 1}; '{key[:32]}' is not one.",
+                param="logit_bias",
+            )
+        if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN included
+            raise APIError(
+                400,
+                f"'logit_bias' values must be between -100 and 100; token {key} has {value}.",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
 
 
 def message_dict(m: ChatMessage, native_tools: bool = False) -> dict[str, object]:
@@ -314,62 +423,57 @@ def _hf_tool_call(c: ToolCall) -> dict[str, object]:
     return {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}}
 
 
-def reject_unsupported(n: int, logprobs: bool) -> None:
-    # Refused up front rather than silently ignored: a client relying on them must know.
-    if n != 1:
-        raise APIError(400, "Only n = 1 is supported for now.", param="n")
-    if logprobs:
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
-
-
 # --- responses: deltas -> OpenAI objects and SSE -------------------------------------------
 
 
-class Shape(msgspec.Struct, frozen=True):
-    """How one endpoint turns deltas into its objects."""
+class ChoiceDelta(NamedTuple):
+    """A delta of one choice of a request: the gateway streams a request's sequences merged,
+    each delta tagged with its choice. A plain `GenerateDelta` (a worker's own endpoint
+    streams its one sequence so) is choice 0."""
 
-    kind: str  # prefix of the object id: chatcmpl-..., cmpl-...
-    final: Callable[[str, int, str, str, FinishReason | None, Usage], msgspec.Struct]
-    chunk: Callable[[str, int, str, str | None, FinishReason | None, bool], msgspec.Struct]
-    usage_chunk: Callable[[str, int, str, Usage], msgspec.Struct]
-
-
-CHAT = Shape(
-    kind="chatcmpl",
-    final=lambda i, c, m, text, fin, u: ChatCompletion(
-        id=i,
-        created=c,
-        model=m,
-        usage=u,
-        choices=[ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=fin)],
-    ),
-    chunk=lambda i, c, m, text, fin, first: ChatCompletionChunk(
-        id=i,
-        created=c,
-        model=m,
-        choices=[
-            ChunkChoice(
-                index=0, delta=Delta(role="assistant" if first else None, content=text), finish_reason=fin
-            )
-        ],
-    ),
-    usage_chunk=lambda i, c, m, u: ChatCompletionChunk(id=i, created=c, model=m, choices=[], usage=u),
-)
-
-TEXT = Shape(
-    kind="cmpl",
-    final=lambda i, c, m, text, fin, u: Completion(
-        id=i, created=c, model=m, usage=u, choices=[CompletionChoice(index=0, text=text, finish_reason=fin)]
-    ),
-    chunk=lambda i, c, m, text, fin, _first: Completion(
-        id=i, created=c, model=m, choices=[CompletionChoice(index=0, text=text or "", finish_reason=fin)]
-    ),
-    usage_chunk=lambda i, c, m, u: Completion(id=i, created=c, model=m, choices=[], usage=u),
-)
+    index: int
+    delta: GenerateDelta
 
 
-def shape_of(req: OpenAIRequest) -> Shape:
-    return CHAT if isinstance(req, ChatCompletionRequest) else TEXT
+AnyDelta = ChoiceDelta | GenerateDelta
+
+
+def _tagged(item: AnyDelta) -> ChoiceDelta:
+    return item if isinstance(item, ChoiceDelta) else ChoiceDelta(0, item)
+
+
+@dataclass(slots=True, frozen=True)
+class Choices:
+    """How a request's sequences become its choices: choice i answers prompt i // n."""
+
+    n: int = 1
+    echo: tuple[str, ...] = ()  # per prompt, the text its choices start with (`echo`), or none
+    logprobs: int | None = None  # likeliest tokens shown beside each one; None: no logprobs
+    tokenizer: Tokenizer | None = None  # spells the tokens of logprobs
+
+    @classmethod
+    def of(cls, req: OpenAIRequest, prompts: Sequence[Prompt], tok: Tokenizer) -> Choices:
+        echo = isinstance(req, CompletionRequest) and req.echo
+        return cls(req.n, tuple(p.echo for p in prompts) if echo else (), prompts[0].sampling.logprobs, tok)
+
+
+ONE = Choices()
+
+
+def total(lasts: Mapping[int, GenerateDelta], n: int) -> GenerateDelta:
+    """A request's token counts from the last delta of each of its choices (running totals):
+    the completion tokens of every choice, but each prompt and its cached part once, from
+    its first choice that reported (OpenAI bills the prompt of `n` choices once)."""
+    prompt = cached = completion = 0
+    counted: set[int] = set()
+    for index in sorted(lasts):
+        d = lasts[index]
+        completion += d.completion_tokens
+        if index // n not in counted:
+            counted.add(index // n)
+            prompt += d.prompt_tokens
+            cached += d.cached_tokens
+    return GenerateDelta(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
 
 
 def usage(d: GenerateDelta) -> Usage:
@@ -389,13 +493,257 @@ def finish_reason(d: GenerateDelta) -> FinishReason | None:
     return "length" if d.finish_reason == "length" else "stop"
 
 
-async def collect(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> tuple[str, GenerateDelta]:
-    """The whole text and the last delta (which carries finish reason and usage)."""
-    parts, last = [first.text], first
-    async for d in rest:
-        parts.append(d.text)
-        last = d
-    return "".join(parts), last
+# --- log probabilities -----------------------------------------------------------------------
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's `bytes_to_unicode`), read backwards: the byte each
+    character of a vocabulary entry stands for."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + extra)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_of_char()
+
+
+class TokenSpelling:
+    """Each token as log probabilities show it: its text and its bytes. The bytes are exact
+    for a byte-level BPE, whose token may hold part of a character (its text then shows
+    U+FFFD for that part: the bytes of consecutive tokens join into the character); other
+    tokenizers' tokens are decoded one by one. Filled as tokens are met; one per tokenizer
+    (`spelling`)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        backend = tok.backend
+        self._backend = backend
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        self._known: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        known = self._known.get(token_id)
+        if known is None:
+            known = self._known[token_id] = self._spell(token_id)
+        return known
+
+    def _spell(self, token_id: int) -> tuple[str, list[int]]:
+        text = self._added.get(token_id)
+        if text is None and self._byte_level:
+            piece = self._backend.id_to_token(token_id) or ""
+            if all(c in _BYTE_OF for c in piece):
+                raw = bytes(_BYTE_OF[c] for c in piece)
+                return raw.decode("utf-8", errors="replace"), list(raw)
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode())
+
+
+_SPELLINGS: weakref.WeakKeyDictionary[Tokenizer, TokenSpelling] = weakref.WeakKeyDictionary()
+
+
+def spelling(tok: Tokenizer) -> TokenSpelling:
+    found = _SPELLINGS.get(tok)
+    if found is None:
+        found = _SPELLINGS[tok] = TokenSpelling(tok)
+    return found
+
+
+def _logprob(value: float) -> float:
+    # JSON has no -inf (nor NaN): OpenAI's stand-in for "very unlikely".
+    return value if value >= -9999.0 else -9999.0
+
+
+class _Logprobs:
+    """The log probabilities of one choice's tokens, as its endpoint shows them: piece by
+    piece for chunks (`take`), or all of them for the whole response (`whole`)."""
+
+    __slots__ = ("chat", "entries", "k", "offset", "spell", "taken")
+
+    def __init__(self, chat: bool, k: int, spell: TokenSpelling) -> None:
+        self.chat, self.k, self.spell = chat, k, spell
+        self.entries: list[Any] = []  # ChatTokenLogprob, or (token, logprob, top, offset)
+        self.taken = 0
+        self.offset = 0  # characters of the choice's text before the next token
+
+    def add(self, d: GenerateDelta) -> None:
+        # One entry per token the worker gave a logprob (the gateway refuses a worker's
+        # delta without them when they were asked for).
+        tops = d.top_logprobs or ()
+        for j, (token_id, lp) in enumerate(zip(d.token_ids, d.logprobs or (), strict=False)):
+            top = tops[j][: self.k] if j < len(tops) else ()
+            text, raw = self.spell(token_id)
+            if self.chat:
+                best = [TopLogprob(*_pair(self.spell(i), v)) for i, v in top]
+                self.entries.append(ChatTokenLogprob(text, _logprob(lp), raw, best))
+            else:
+                # Legacy completions list the likeliest tokens and the sampled one, by text.
+                likeliest = {self.spell(i)[0]: _logprob(v) for i, v in reversed(top)}
+                likeliest.setdefault(text, _logprob(lp))
+                self.entries.append((text, _logprob(lp), likeliest, self.offset))
+                self.offset += len(text)
+
+    def take(self) -> ChatLogprobs | CompletionLogprobs | None:
+        """The entries added since the last take (None if none): what a chunk carries."""
+        new = self.entries[self.taken :]
+        self.taken = len(self.entries)
+        return self._shaped(new) if new else None
+
+    def whole(self) -> ChatLogprobs | CompletionLogprobs:
+        return self._shaped(self.entries)
+
+    def _shaped(self, entries: list[Any]) -> ChatLogprobs | CompletionLogprobs:
+        if self.chat:
+            return ChatLogprobs(content=entries)
+        return CompletionLogprobs(
+            tokens=[e[0] for e in entries],
+            token_logprobs=[e[1] for e in entries],
+            top_logprobs=[e[2] for e in entries],
+            text_offset=[e[3] for e in entries],
+        )
+
+
+def _pair(spelt: tuple[str, list[int]], logprob: float) -> tuple[str, float, list[int]]:
+    return spelt[0], _logprob(logprob), spelt[1]
+
+
+# --- choices ---------------------------------------------------------------------------------
+
+
+class Shape(msgspec.Struct, frozen=True):
+    """Which objects one endpoint answers with."""
+
+    kind: str  # prefix of the object id: chatcmpl-..., cmpl-...
+    chat: bool
+
+
+CHAT = Shape(kind="chatcmpl", chat=True)
+TEXT = Shape(kind="cmpl", chat=False)
+
+
+def shape_of(req: OpenAIRequest) -> Shape:
+    return CHAT if isinstance(req, ChatCompletionRequest) else TEXT
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's way through a response."""
+
+    last: GenerateDelta
+    echo: str = ""  # still to be sent before its text
+    logprobs: _Logprobs | None = None
+    parts: list[str] = field(default_factory=list)  # its text so far (a whole response)
+    first: bool = True  # nothing of it sent yet (a stream)
+    held: str | None = None  # text held back as a possible tool call (a stream)
+
+    @property
+    def text(self) -> str:
+        """The choice's whole text (`collect`ed): its echoed prompt, then what was generated."""
+        return self.echo + "".join(self.parts)
+
+
+def _choice(shape: Shape, choices: Choices, index: int, first: GenerateDelta, tools: bool) -> ChoiceState:
+    k, tok = choices.logprobs, choices.tokenizer
+    return ChoiceState(
+        first,
+        echo=choices.echo[index // choices.n] if choices.echo else "",
+        logprobs=_Logprobs(shape.chat, k, spelling(tok)) if k is not None and tok is not None else None,
+        held="" if tools else None,
+    )
+
+
+def _chunk(
+    shape: Shape,
+    object_id: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    fin: FinishReason | None,
+    first: bool,
+    logprobs: ChatLogprobs | CompletionLogprobs | None,
+    tier: ServiceTier,
+) -> msgspec.Struct:
+    if shape.chat:
+        delta = Delta(role="assistant" if first else None, content=text)
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=fin, logprobs=logprobs)  # type: ignore[arg-type]
+        return ChatCompletionChunk(
+            id=object_id, created=created, model=model, choices=[choice], service_tier=tier
+        )
+    one = CompletionChoice(index=index, text=text, finish_reason=fin, logprobs=logprobs)  # type: ignore[arg-type]
+    return Completion(id=object_id, created=created, model=model, choices=[one])
+
+
+def _usage_chunk(
+    shape: Shape, object_id: str, created: int, model: str, u: Usage, tier: ServiceTier
+) -> msgspec.Struct:
+    if shape.chat:
+        return ChatCompletionChunk(
+            id=object_id, created=created, model=model, choices=[], usage=u, service_tier=tier
+        )
+    return Completion(id=object_id, created=created, model=model, choices=[], usage=u)
+
+
+async def collect(
+    first: AnyDelta, rest: AsyncIterator[AnyDelta], shape: Shape = CHAT, choices: Choices = ONE
+) -> dict[int, ChoiceState]:
+    """Every choice, by index: its whole text, log probabilities and last delta (which
+    carries its finish reason and counts)."""
+    out: dict[int, ChoiceState] = {}
+    async for item in _achain(first, rest):
+        index, d = _tagged(item)
+        c = out.get(index)
+        if c is None:
+            c = out[index] = _choice(shape, choices, index, d, False)
+        c.parts.append(d.text)
+        c.last = d
+        if c.logprobs is not None:
+            c.logprobs.add(d)
+    return out
+
+
+def final_object(
+    shape: Shape,
+    object_id: str,
+    created: int,
+    model: str,
+    collected: Mapping[int, ChoiceState],
+    choices: Choices = ONE,
+    tools: bool = False,
+    tier: ServiceTier = "default",
+) -> msgspec.Struct:
+    """The whole response of `collect`ed choices; with `tools`, a choice whose text is tool
+    calls answers them as such. `tier`: the service tier a chat completion ran at."""
+    u = usage(total({i: c.last for i, c in collected.items()}, choices.n))
+    ordered = [(i, collected[i]) for i in sorted(collected)]
+    if not shape.chat:
+        texts = [
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                finish_reason=finish_reason(c.last),
+                logprobs=c.logprobs.whole() if c.logprobs else None,  # type: ignore[arg-type]
+            )
+            for i, c in ordered
+        ]
+        return Completion(id=object_id, created=created, model=model, choices=texts, usage=u)
+    out = []
+    for i, c in ordered:
+        text = c.text
+        lp = c.logprobs.whole() if c.logprobs else None
+        calls = parse_tool_calls(text) if tools else None
+        if calls:
+            message, fin = AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+        else:
+            message, fin = AssistantMessage(content=text), finish_reason(c.last)
+        out.append(ChatChoice(index=i, message=message, finish_reason=fin, logprobs=lp))  # type: ignore[arg-type]
+    return ChatCompletion(id=object_id, created=created, model=model, choices=out, usage=u, service_tier=tier)
 
 
 async def sse_events(
@@ -403,44 +751,59 @@ async def sse_events(
     object_id: str,
     created: int,
     model: str,
-    first: GenerateDelta,
-    deltas: AsyncGenerator[GenerateDelta, None],
+    first: AnyDelta,
+    deltas: AsyncGenerator[AnyDelta, None],
     include_usage: bool,
     tools: bool = False,
+    choices: Choices = ONE,
+    tier: ServiceTier = "default",
 ) -> AsyncIterator[bytes]:
     """SSE `data:` lines for `first` then `deltas`, ending in `data: [DONE]`; closes `deltas`.
 
+    Each chunk holds one choice's delta (and the log probabilities of its tokens); a choice's
+    first chunk goes out at once (it carries the assistant role, or its `echo`ed prompt).
     With `tools`, text that is (or may still become) a tool call is held back; a complete call
     goes out as one `tool_calls` delta, anything else as the text it is.
     """
-    last, is_first = first, True
-    held: str | None = "" if tools else None  # None once the answer is known to be text
+    states: dict[int, ChoiceState] = {}
     try:
-        async for d in _achain(first, deltas):
-            last = d
+        async for item in _achain(first, deltas):
+            index, d = _tagged(item)
+            c = states.get(index)
+            if c is None:
+                c = states[index] = _choice(shape, choices, index, d, tools)
+            c.last = d
+            if c.logprobs is not None:
+                c.logprobs.add(d)
             fin = finish_reason(d)
             text = d.text
-            if held is not None:
-                held += text
-                calls = parse_tool_calls(held) if fin else None
+            if c.held is not None:
+                c.held += text
+                calls = parse_tool_calls(c.held) if fin else None
                 if calls:
-                    for chunk in tool_call_chunks(object_id, created, model, calls, is_first):
+                    lp = c.logprobs.take() if c.logprobs is not None else None
+                    calling = tool_call_chunks(object_id, created, model, calls, c.first, index, lp, tier)  # type: ignore[arg-type]
+                    for chunk in calling:
                         yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-                    is_first = False
+                    c.first = False
                     continue
-                if fin is None and may_be_tool_call(held):
+                if fin is None and may_be_tool_call(c.held):
                     text = ""
                 else:
-                    text, held = held, None
-            # Empty deltas (e.g. a token held back as a possible stop string) are skipped,
-            # but the first chunk always goes out: it carries the assistant role.
-            if text or fin or is_first:
-                chunk = shape.chunk(object_id, created, model, text, fin, is_first)
+                    text, c.held = c.held, None
+            if c.echo:
+                text, c.echo = c.echo + text, ""
+            # Empty deltas (e.g. a token held back as a possible stop string) are skipped;
+            # their tokens' logprobs go out with the next chunk of the choice.
+            if text or fin or c.first:
+                lp = c.logprobs.take() if c.logprobs is not None else None
+                chunk = _chunk(shape, object_id, created, model, index, text, fin, c.first, lp, tier)
                 yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-                is_first = False
+                c.first = False
         if include_usage:
-            u = shape.usage_chunk(object_id, created, model, usage(last))
-            yield b"data: " + msgspec.json.encode(u) + b"\n\n"
+            u = usage(total({i: c.last for i, c in states.items()}, choices.n))
+            end = _usage_chunk(shape, object_id, created, model, u, tier)
+            yield b"data: " + msgspec.json.encode(end) + b"\n\n"
     except APIError as exc:  # the status line is long gone: report in-band
         yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
     finally:
@@ -448,34 +811,34 @@ async def sse_events(
     yield b"data: [DONE]\n\n"
 
 
-def tool_call_completion(
-    object_id: str, created: int, model: str, calls: list[ToolCall], u: Usage
-) -> ChatCompletion:
-    message = AssistantMessage(content=None, tool_calls=calls)
-    choice = ChatChoice(index=0, message=message, finish_reason="tool_calls")
-    return ChatCompletion(id=object_id, created=created, model=model, usage=u, choices=[choice])
-
-
 def tool_call_chunks(
-    object_id: str, created: int, model: str, calls: list[ToolCall], first: bool
+    object_id: str,
+    created: int,
+    model: str,
+    calls: list[ToolCall],
+    first: bool,
+    index: int = 0,
+    logprobs: ChatLogprobs | None = None,
+    tier: ServiceTier = "default",
 ) -> list[ChatCompletionChunk]:
     """The calls in one delta (each whole: OpenAI splits arguments, clients join either), then
     the end of the choice."""
     deltas = [ToolCallDelta(index=i, id=c.id, function=c.function) for i, c in enumerate(calls)]
+    delta = Delta(role="assistant" if first else None, tool_calls=deltas)
     return [
         ChatCompletionChunk(
             id=object_id,
             created=created,
             model=model,
-            choices=[
-                ChunkChoice(index=0, delta=Delta(role="assistant" if first else None, tool_calls=deltas))
-            ],
+            choices=[ChunkChoice(index=index, delta=delta, logprobs=logprobs)],
+            service_tier=tier,
         ),
         ChatCompletionChunk(
             id=object_id,
             created=created,
             model=model,
-            choices=[ChunkChoice(index=0, delta=Delta(), finish_reason="tool_calls")],
+            choices=[ChunkChoice(index=index, delta=Delta(), finish_reason="tool_calls")],
+            service_tier=tier,
         ),
     ]
 
@@ -484,8 +847,12 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
 
 async def collect_unless_gone(
-    first: GenerateDelta, deltas: AsyncGenerator[GenerateDelta, None], receive: Receive
-) -> tuple[str, GenerateDelta] | None:
+    first: AnyDelta,
+    deltas: AsyncGenerator[AnyDelta, None],
+    receive: Receive,
+    shape: Shape = CHAT,
+    choices: Choices = ONE,
+) -> dict[int, ChoiceState] | None:
     """`collect()`, or None (with `deltas` closed, which aborts the generation) if the
     client disconnects first. `receive` is the ASGI receive callable of a request whose
     body has been read, so the next message it yields can only be the disconnect."""
@@ -505,7 +872,7 @@ async def collect_unless_gone(
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await collect(first, deltas)
+        return await collect(first, deltas, shape, choices)
     except asyncio.CancelledError:
         if not left:  # this handler is being cancelled: not ours to swallow
             raise
@@ -526,7 +893,7 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _achain(first: GenerateDelta, rest: AsyncIterator[GenerateDelta]) -> AsyncIterator[GenerateDelta]:
+async def _achain(first: AnyDelta, rest: AsyncIterator[AnyDelta]) -> AsyncIterator[AnyDelta]:
     yield first
     async for d in rest:
         yield d
@@ -540,16 +907,21 @@ async def respond(
     body: OpenAIRequest,
     model: str,
     request_id: str,
-    deltas: AsyncGenerator[GenerateDelta, None],
+    deltas: AsyncGenerator[AnyDelta, None],
     *,
     headers: Mapping[str, str] | None = None,
+    choices: Choices = ONE,
+    tier: ServiceTier = "default",
 ) -> Response[Any]:
     """Answer `body` from `deltas`: one JSON object, or an SSE stream.
 
-    `request_id` goes out as `x-request-id` (and into the object ids), after `headers`
-    (e.g. `x-ratelimit-*`), on the answer and on its errors alike. Closing `deltas`
-    must stop the generation, which happens when the client goes away; so must a
-    generator that was never started, which is why this starts it at once.
+    `deltas` are those of one sequence (plain deltas), or of all the request's sequences
+    merged, each tagged with its choice (`ChoiceDelta`); `choices` says how they become
+    choices. `request_id` goes out as `x-request-id` (and into the object ids), after
+    `headers` (e.g. `x-ratelimit-*`), on the answer and on its errors alike. Closing `deltas`
+    must stop the generation, which happens when the client goes away; so must a generator
+    that was never started, which is why this starts it at once. `tier`: the service tier
+    the request runs at, which chat completions report.
     """
     shape = shape_of(body)
     object_id, created = f"{shape.kind}-{request_id[4:]}", int(time.time())
@@ -565,22 +937,19 @@ async def respond(
         # Nothing is sent until the end, so watch for the client leaving: then stop the
         # generation instead of finishing it for nobody.
         try:
-            collected = await collect_unless_gone(first, deltas, request.receive)
+            collected = await collect_unless_gone(first, deltas, request.receive, shape, choices)
         except APIError as exc:  # failed after the first token, still before any byte was sent
             exc.headers.update(sent)
             raise
         if collected is None:
             return Response(b"", status_code=499, headers=sent)  # nobody is listening
-        text, last = collected
-        calls = parse_tool_calls(text) if uses_tools(body) else None
-        if calls:
-            obj: msgspec.Struct = tool_call_completion(object_id, created, model, calls, usage(last))
-        else:
-            obj = shape.final(object_id, created, model, text, finish_reason(last), usage(last))
+        obj = final_object(shape, object_id, created, model, collected, choices, uses_tools(body), tier)
         return Response(msgspec.json.encode(obj), media_type="application/json", headers=sent)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Stream(
-        sse_events(shape, object_id, created, model, first, deltas, include_usage, uses_tools(body)),
+        sse_events(
+            shape, object_id, created, model, first, deltas, include_usage, uses_tools(body), choices, tier
+        ),
         media_type="text/event-stream",
         headers={**sent, "cache-control": "no-cache", "x-accel-buffering": "no"},
     )

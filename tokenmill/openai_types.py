@@ -23,6 +23,11 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 FinishReason = Literal["stop", "length", "tool_calls"]
 # OpenAI's rule for function and schema names.
 Name = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+# OpenAI's `user`: the caller's id of its end user, stored on the request's usage event (and
+# in the usage export). OpenAI publishes no limit; this one fits the ledger's column.
+EndUser = Annotated[str, Meta(max_length=256)]
+# The tiers a chat completion runs at (what a response reports): `flex` at batch priority.
+ServiceTier = Literal["default", "flex"]
 
 
 class StreamOptions(msgspec.Struct):
@@ -115,7 +120,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: EndUser | None = None
     # Not OpenAI's, but what vLLM and others accept; useful to users of open models.
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Probability | None = None
@@ -139,6 +144,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # auto | default | flex (batch priority); any other tier is refused by name with the ones
+    # that exist (tokenmill.request_limits.service_tier), so typed as a plain string.
+    service_tier: str | None = None
     # Accepted and ignored (`IGNORED_CHAT` at the end says why, one by one). Typed as OpenAI
     # types them, so a value OpenAI would refuse is refused here too; open objects stay open.
     store: bool | None = None
@@ -153,13 +161,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True)
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    service_tier: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
-    # msgspec allows one array type per union: a list of strings or of token ids, checked later.
-    prompt: str | list[str | int]
-    echo: bool = False
+    # A text, texts, token ids, or lists of token ids (several prompts, each its own choices).
+    # msgspec allows one array type per union, so the items' sameness is checked later.
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False  # each choice's text starts with its prompt's
     logprobs: Annotated[int, Meta(ge=0, le=5, extra_json_schema=_MIN_0)] | None = None
     suffix: str | None = None
     best_of: PositiveInt | None = None  # only as many as `n` (tokenmill.openai_shapes)
@@ -182,11 +190,49 @@ class AssistantMessage(msgspec.Struct):
     tool_calls: list[ToolCall] | None = None
 
 
+# --- log probabilities, as OpenAI shapes them --------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct):
+    """One of the likeliest tokens at a position (chat completions)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's own bytes: tokens may split a character
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """A generated token of a chat completion, with the likeliest ones at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]  # `top_logprobs` of them, best first (none when 0)
+
+
+class ChatLogprobs(msgspec.Struct):
+    """`choices[].logprobs` of a chat completion (of a chunk: its own tokens')."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None  # open models do not refuse apart from text
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """`choices[].logprobs` of a text completion (of a chunk: its own tokens'), one entry per
+    generated token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    # The `logprobs` likeliest tokens and the sampled one, text -> logprob.
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token starts in the choice's text, in characters
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -197,6 +243,7 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    service_tier: ServiceTier = "default"  # the tier the request ran at
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -209,7 +256,7 @@ class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -220,13 +267,14 @@ class ChatCompletionChunk(msgspec.Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: ServiceTier = "default"
 
 
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):
@@ -276,7 +324,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
-    user: str | None = None
+    user: EndUser | None = None
 
 
 class Embedding(msgspec.Struct):
@@ -320,8 +368,7 @@ EXTENSIONS: tuple[str, ...] = (
     "guided_grammar",
 )
 
-# OpenAI parameters accepted and ignored, with why. (`user` and `logit_bias` are accepted and
-# not acted on yet either: issue 18 carries them to the ledger and the engine.)
+# OpenAI parameters accepted and ignored, with why.
 IGNORED_CHAT: dict[str, str] = {
     "store": "Tokenmill keeps no completions for distillation or evals; usage is metered either way.",
     "metadata": "Tags for stored completions (`store`); nothing is stored.",
@@ -341,7 +388,6 @@ IGNORED_CHAT: dict[str, str] = {
     "prediction": "Predicted outputs only make OpenAI answer faster, never differently; the "
     "answer here is the same without them.",
     "web_search_options": "No web search runs here; the model answers from what it knows.",
-    "service_tier": "Every request runs at the default tier until service tiers land (issue 18).",
 }
 
 # OpenAI parameters refused whatever their value, with the message that says so. Not declared

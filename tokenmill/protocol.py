@@ -43,6 +43,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; None = off
     grammar: Grammar | None = None  # structured output / tool calls; None = free text
+    # Added to the logits of these token ids before sampling (OpenAI's -100..100): -100 all
+    # but bans a token, 100 all but forces it. Logprobs still describe the model's own logits.
+    logit_bias: dict[int, float] = {}
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
@@ -76,6 +79,10 @@ class GenerateDelta(msgspec.Struct, omit_defaults=True):
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # When the request asked for logprobs, one entry per id of `token_ids`: the sampled
+    # token's raw logprob, and the `sampling.logprobs` likeliest (token id, logprob), best first.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class EmbedRequest(msgspec.Struct):
@@ -176,6 +183,12 @@ class UsageRecord(msgspec.Struct, omit_defaults=True):
     duration_ms: float | None = None
     status: str = "ok"
     ts: float = 0.0
+    # The request's context, stored for the caller's reconciliation: OpenAI's `user` field,
+    # their X-Client-Request-Id header, and the tier it ran at (default | flex). Events from
+    # gateways older than these fields decode with the defaults.
+    user: str | None = None
+    client_request_id: str | None = None
+    service_tier: str = "default"
 
 
 class KeysChanged(msgspec.Struct, omit_defaults=True):

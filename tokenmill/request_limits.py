@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tokenmill.errors import APIError
-from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ServiceTier
 
 if TYPE_CHECKING:
     from tokenmill.protocol import SamplingParams
@@ -40,6 +40,7 @@ class RequestLimits:
     schema_bytes: int = 64 * 1024
     schema_depth: int = 32
     n: int = 16
+    prompts: int = 16
     top_logprobs: int = 20
     embedding_inputs: int = 2048
 
@@ -55,6 +56,7 @@ class RequestLimits:
             schema_bytes=s.max_schema_bytes,
             schema_depth=s.max_schema_depth,
             n=s.max_n,
+            prompts=s.max_prompts,
             top_logprobs=s.max_top_logprobs,
             embedding_inputs=s.max_embedding_inputs,
         )
@@ -141,10 +143,32 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest, limits: Reques
     return size
 
 
+# What `service_tier` may ask for -> the tier the request runs at. OpenAI's `auto` means the
+# project's tier, which here is always the default one.
+SERVICE_TIERS: dict[str, ServiceTier] = {"auto": "default", "default": "default", "flex": "flex"}
+
+
+def service_tier(requested: str | None) -> ServiceTier:
+    """The tier a chat request runs at; 400 naming `service_tier` for a tier this server does
+    not have (OpenAI's `priority` and `scale` among them), saying which it has."""
+    if requested is None:
+        return "default"
+    tier = SERVICE_TIERS.get(requested)
+    if tier is None:
+        raise APIError(
+            400,
+            f"Invalid service_tier '{requested}': the tiers are 'auto' and 'default' (standard) "
+            "and 'flex' (runs behind standard requests when the model is busy).",
+            param="service_tier",
+        )
+    return tier
+
+
 def check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> int:
     """Refuse a chat request beyond the limits (400); else how many characters it carries
     (what rendering and tokenizing it will cost, roughly)."""
     _count("messages", len(req.messages), limits.messages, "messages")
+    service_tier(req.service_tier)
     if req.top_logprobs is not None:
         _count("top_logprobs", req.top_logprobs, limits.top_logprobs, "log probabilities")
     size = _check_common(req, limits)
@@ -173,11 +197,14 @@ def check_completion(req: CompletionRequest, limits: RequestLimits) -> int:
         _count("logprobs", req.logprobs, limits.top_logprobs, "log probabilities")
     size = _check_common(req, limits)
     prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        # Texts or lists of token ids: several prompts, each served as `n` sequences.
+        _count("prompt", len(prompt), limits.prompts, "prompts")
     return size + (len(prompt) if isinstance(prompt, str) else sum(_lengths(prompt)))
 
 
-def _lengths(items: Iterable[str | int]) -> Iterable[int]:
-    return (len(p) if isinstance(p, str) else 1 for p in items)
+def _lengths(items: Iterable[str | int | list[int]]) -> Iterable[int]:
+    return (len(p) if isinstance(p, str | list) else 1 for p in items)
 
 
 def check_embedding(req: EmbeddingRequest, limits: RequestLimits) -> int:

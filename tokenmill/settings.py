@@ -346,6 +346,12 @@ class Settings(BaseSettings):
         description="Longest a response stream may run (the gateway ends one that runs longer); a "
         "stopping server waits at least this long for the streams in flight.",
     )
+    response_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a response of /v1/responses created with `store` is kept; past it, it "
+        "is 404 and the `purge_responses` job deletes it.",
+    )
     shutdown_grace_seconds: float | None = Field(
         default=None,
         description="How long a stopping server waits for requests in flight before closing them "
@@ -391,7 +397,10 @@ class Settings(BaseSettings):
         "`guided_regex`/`guided_grammar`, in bytes of JSON.",
     )
     max_schema_depth: int = Field(default=32, ge=2, description="Deepest nesting of such a JSON schema.")
-    max_n: int = Field(default=16, ge=1, description="Largest `n` (choices per request).")
+    max_n: int = Field(default=16, ge=1, description="Largest `n` (choices per prompt).")
+    max_prompts: int = Field(
+        default=16, ge=1, description="Most prompts in one text completion request (each its own choices)."
+    )
     max_top_logprobs: int = Field(default=20, ge=0, description="Largest `top_logprobs` (OpenAI: 20).")
     max_embedding_inputs: int = Field(
         default=2048, ge=1, description="Most inputs in one embeddings request (OpenAI: 2048)."

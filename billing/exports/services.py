@@ -44,6 +44,9 @@ USAGE_COLUMNS = (
     "ttft_ms",
     "duration_ms",
     "status",
+    "user",
+    "client_request_id",
+    "service_tier",
 )
 ROLLUP_COLUMNS = (
     "hour",

@@ -45,6 +45,9 @@ def _row(rec: UsageRecord) -> dict[str, Any]:
         "duration_ms": rec.duration_ms,
         "status": rec.status,
         "created_at": datetime.fromtimestamp(rec.ts, UTC) if rec.ts else utcnow(),
+        "user": rec.user,
+        "client_request_id": rec.client_request_id,
+        "service_tier": rec.service_tier,
     }
 
 
@@ -64,9 +67,14 @@ _LEDGER_COLUMNS = (
     ("duration_ms", "float8"),
     ("status", "varchar"),
     ("created_at", "timestamptz"),
+    ("user", "varchar"),
+    ("client_request_id", "varchar"),
+    ("service_tier", "varchar"),
 )
+# Quoted: `user` is a reserved word in PostgreSQL.
+_LEDGER_NAMES = ", ".join(f'"{c}"' for c, _ in _LEDGER_COLUMNS)
 _LEDGER_INSERT = text(
-    f"INSERT INTO usage_events ({', '.join(c for c, _ in _LEDGER_COLUMNS)}) "
+    f"INSERT INTO usage_events ({_LEDGER_NAMES}) "
     f"SELECT * FROM unnest({', '.join(f'CAST(:{c} AS {t}[])' for c, t in _LEDGER_COLUMNS)}) "
     "ON CONFLICT (request_id) DO NOTHING"
 )
@@ -90,6 +98,9 @@ def _columns(records: list[UsageRecord]) -> dict[str, list[Any]]:
         "duration_ms": [r.duration_ms for r in records],
         "status": [r.status for r in records],
         "created_at": [fromtimestamp(r.ts, UTC) if r.ts else now for r in records],
+        "user": [r.user for r in records],
+        "client_request_id": [r.client_request_id for r in records],
+        "service_tier": [r.service_tier for r in records],
     }
 
 

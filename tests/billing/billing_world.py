@@ -64,6 +64,9 @@ class World:
         *,
         adapter: str | None = None,
         model: str = "m",
+        user: str | None = None,
+        client_request_id: str | None = None,
+        service_tier: str = "default",
     ) -> dict[str, Any]:
         """One ledger row (as `record_usage` would write it)."""
         self.n += 1
@@ -78,6 +81,9 @@ class World:
             "completion_tokens": output,
             "status": "ok",
             "created_at": at,
+            "user": user,
+            "client_request_id": client_request_id,
+            "service_tier": service_tier,
         }
 
 

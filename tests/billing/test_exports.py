@@ -56,7 +56,19 @@ async def _month(api: Api) -> None:
         sm,
         [
             w.usage(w.org_a, w.small_dep, t(3, 4), 1_000_000, 200_000, 500_000, model="small-model"),
-            w.usage(w.org_a, w.small_dep, t(3, 5), 10, 0, 1, adapter=w.adapter, model="acme-lora"),
+            w.usage(
+                w.org_a,
+                w.small_dep,
+                t(3, 5),
+                10,
+                0,
+                1,
+                adapter=w.adapter,
+                model="acme-lora",
+                user='end-user, "quoted"',
+                client_request_id="cli-7",
+                service_tier="flex",
+            ),
             w.usage(w.org_b, w.small_dep, t(4, 5), 2_000_000, 0, 100_000, model="small-model"),
         ],
     )
@@ -90,6 +102,12 @@ async def test_csv_and_json_of_each_export(api: Api) -> None:
         (w.org_b, "2000000", ""),
     ]
     assert usage[0]["created_at"] == "2025-01-03T04:00:00Z"
+    # The request's context, as the gateway recorded it ("" in CSV where there was none).
+    assert [(u["user"], u["client_request_id"], u["service_tier"]) for u in usage] == [
+        ("", "", "default"),
+        ('end-user, "quoted"', "cli-7", "flex"),
+        ("", "", "default"),
+    ]
     r = await c.get("/admin/v1/exports/usage", headers=api.h("platform"), params=span | {"format": "json"})
     assert r.headers["content-type"].startswith("application/json")
     as_json = r.json()
@@ -99,6 +117,11 @@ async def test_csv_and_json_of_each_export(api: Api) -> None:
         10,
         None,
     )
+    assert [(u["user"], u["client_request_id"], u["service_tier"]) for u in as_json] == [
+        (None, None, "default"),
+        ('end-user, "quoted"', "cli-7", "flex"),
+        (None, None, "default"),
+    ]
 
     r = await c.get("/admin/v1/exports/rollups", headers=api.h("platform"), params=span)
     rollups = _csv(r.text)

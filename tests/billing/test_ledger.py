@@ -51,3 +51,31 @@ async def test_consumer_moves_events_into_the_ledger(migrated_db: async_sessionm
     finally:
         await consumer.stop()
         await bus.close()
+
+
+async def test_ledger_stores_the_request_context(migrated_db: async_sessionmaker[AsyncSession]) -> None:
+    """`user`, the client's request id and the tier reach the row through the consumer; an
+    event from a gateway older than those fields (published without them) stores the defaults."""
+    bus = MemoryBus()
+    consumer = UsageConsumer(bus, migrated_db, "c1")
+    await consumer.start()
+    try:
+        await bus.publish(
+            USAGE,
+            UsageRecord(
+                request_id="req_ctx", org_id="org_a", model="m", user="end-user-7 ✓",
+                client_request_id="cli-42", service_tier="flex",
+            ),
+        )  # fmt: skip
+        await bus.publish(USAGE, {"request_id": "req_old", "org_id": "org_a", "model": "m"})
+        for _ in range(100):
+            async with migrated_db() as s:
+                rows = (await s.execute(select(UsageEvent).order_by(UsageEvent.request_id))).scalars().all()
+            if len(rows) == 2:
+                break
+            await asyncio.sleep(0.05)
+        got = {r.request_id: (r.user, r.client_request_id, r.service_tier) for r in rows}
+        assert got == {"req_ctx": ("end-user-7 ✓", "cli-42", "flex"), "req_old": (None, None, "default")}
+    finally:
+        await consumer.stop()
+        await bus.close()

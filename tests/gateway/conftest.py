@@ -46,14 +46,18 @@ INTERNAL = "internal-test-token"
 
 @dataclass
 class FakeWorker:
-    """Streams `word0 word1 ...` (max_tokens of them, at most 8); `fail` answers 500."""
+    """Streams `word0 word1 ...` (max_tokens of them, at most 8) as tokens 100, 101, ...;
+    `fail` answers 500. Asked for logprobs, token 100 + i gets -0.5 - i/10 and the likeliest
+    are `fake_top_logprobs` (unless `no_logprobs`: a worker that does not compute them)."""
 
     worker_id: str
     fail: bool = False
     delay: float = 0.0  # seconds per token
     max_tokens: int = 8
+    no_logprobs: bool = False
     received: list[GenerateRequest] = field(default_factory=list)
     url: str = ""
+    streaming: int = 0  # streams open right now
 
     def app(self) -> Litestar:
         @post("/generate", status_code=200)
@@ -65,21 +69,35 @@ class FakeWorker:
                 raise RuntimeError("fake worker failure")
             n = min(req.sampling.max_tokens, self.max_tokens)
 
+            k = None if self.no_logprobs else req.sampling.logprobs
+
             async def lines() -> AsyncIterator[bytes]:
-                for i in range(n):
-                    await asyncio.sleep(self.delay)
-                    d = GenerateDelta(
-                        text=f"word{i} ",
-                        token_ids=[100 + i],
-                        prompt_tokens=len(req.prompt_token_ids),
-                        completion_tokens=i + 1,
-                        finish_reason="length" if i == n - 1 else None,
-                    )
-                    yield msgspec.json.encode(d) + b"\n"
+                self.streaming += 1
+                try:
+                    for i in range(n):
+                        await asyncio.sleep(self.delay)
+                        d = GenerateDelta(
+                            text=f"word{i} ",
+                            token_ids=[100 + i],
+                            prompt_tokens=len(req.prompt_token_ids),
+                            completion_tokens=i + 1,
+                            finish_reason="length" if i == n - 1 else None,
+                            logprobs=None if k is None else [-0.5 - i / 10],
+                            top_logprobs=None if k is None else [fake_top_logprobs(i)[:k]],
+                        )
+                        yield msgspec.json.encode(d) + b"\n"
+                finally:
+                    self.streaming -= 1
 
             return Stream(lines(), media_type="application/x-ndjson")
 
         return Litestar([generate])
+
+
+def fake_top_logprobs(i: int) -> list[tuple[int, float]]:
+    """The likeliest tokens a `FakeWorker` reports at its i-th token: the sampled one, then
+    300 + i, 301 + i, ... (twenty in all, best first)."""
+    return [(100 + i, -0.5 - i / 10), *((300 + i + j, -2.0 - j) for j in range(19))]
 
 
 @dataclass

@@ -146,7 +146,7 @@ async def test_hard_budget_refuses_what_would_overshoot(gateway_env: Env) -> Non
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         gw = gateway_env.app.state.gateway
         caller = await gw.authenticate(f"Bearer {gateway_env.admin_key}")
-        target = await gw.resolve(caller, MODEL)
+        target = await gw.catalog.resolve(caller, MODEL)
         s.add(Price(model_id=target.model_id, input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000)))
     plan = Plan(name="tiny", monthly_budget=Decimal("0.5"), budget_mode="hard")
     key = await new_key(gateway_env, plan=plan)
@@ -168,7 +168,7 @@ async def test_budget_counter_is_seeded_from_the_ledger(gateway_env: Env) -> Non
     await gateway_env.add_worker()
     gw = gateway_env.app.state.gateway
     caller = await gw.authenticate(f"Bearer {gateway_env.admin_key}")
-    target = await gw.resolve(caller, MODEL)
+    target = await gw.catalog.resolve(caller, MODEL)
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         s.add(Price(model_id=target.model_id, input_per_mtok=Decimal(100), output_per_mtok=Decimal(100)))
     for _ in range(2):  # traffic before the organisation had a budget
@@ -233,7 +233,7 @@ async def test_adapters_belong_to_their_organisation(gateway_env: Env) -> None:
     b_key = await new_key(gateway_env, "org-b")
     gw = gateway_env.app.state.gateway
     a = await gw.authenticate(f"Bearer {a_key}")
-    target = await gw.resolve(a, MODEL)
+    target = await gw.catalog.resolve(a, MODEL)
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         adapter = Adapter(org_id=a.org_id, model_id=target.model_id, name="a-support-bot", source="x")
         adapter.storage_key = f"adapters/{a.org_id}/ad-1/"
@@ -292,7 +292,7 @@ async def test_soft_budget_warns_once_and_never_refuses(gateway_env: Env) -> Non
     await gateway_env.add_worker()
     gw = gateway_env.app.state.gateway
     caller = await gw.authenticate(f"Bearer {gateway_env.admin_key}")
-    target = await gw.resolve(caller, MODEL)
+    target = await gw.catalog.resolve(caller, MODEL)
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         s.add(Price(model_id=target.model_id, input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000)))
     key = await new_key(
@@ -316,7 +316,7 @@ async def test_dedicated_deployments_do_not_spend_the_token_budget(gateway_env: 
     """Dedicated deployments are billed by GPU-hour: their tokens must not use up a budget."""
     await gateway_env.add_worker()
     gw = gateway_env.app.state.gateway
-    target = await gw.resolve(await gw.authenticate(f"Bearer {gateway_env.admin_key}"), MODEL)
+    target = await gw.catalog.resolve(await gw.authenticate(f"Bearer {gateway_env.admin_key}"), MODEL)
     async with gateway_env.app.state.sessionmaker() as s, s.begin():
         s.add(Price(model_id=target.model_id, input_per_mtok=Decimal(10**6), output_per_mtok=Decimal(10**6)))
     key = await new_key(

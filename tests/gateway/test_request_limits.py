@@ -175,7 +175,7 @@ async def test_unexpected_errors_are_500s_with_the_request_id_logged_once(
     async def broken(*_: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(gateway_env.app.state.gateway, "tokenizer", broken)
+    monkeypatch.setattr(gateway_env.app.state.gateway.catalog, "tokenizer", broken)
     with caplog.at_level(logging.ERROR):
         r = await post(gateway_env, key, chat())
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -223,7 +223,7 @@ async def test_prompts_are_held_to_the_context_before_and_after_tokenizing(
     # a text whose lower bound already leaves no room for max_tokens is never tokenized
     gateway = gateway_env.app.state.gateway
     caller = await gateway.authenticate(f"Bearer {key}")
-    tok = await gateway.tokenizer(await gateway.resolve(caller, MODEL))
+    tok = await gateway.catalog.tokenizer(await gateway.catalog.resolve(caller, MODEL))
     assert tok.max_token_chars and tok.vocab_size == 49152
     text = "x" * (tok.max_token_chars * 8000)
     assert tok.min_tokens(text) == 8000

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 import openai.types
 import openai.types.chat
+import openai.types.responses
 import pytest
 import requests
 import schemathesis
@@ -51,6 +52,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.control_plane.conftest import lora_files
 from tests.gateway.conftest import BUNDLED_NAME, EMBED_NAME, Env, FakeEmbedder
+from tokenmill.openai_responses import ResponseCreateRequest
 from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenmill.settings import BUNDLED_MODEL
 
@@ -63,10 +65,23 @@ BUDGET: dict[tuple[str, str], tuple[int, int]] = {
     ("POST", "/v1/embeddings"): (60, 20),
     ("GET", "/v1/models"): (5, 0),
     ("GET", "/v1/models/{model}"): (20, 0),
+    ("POST", "/v1/responses"): (60, 20),
+    ("GET", "/v1/responses/{response_id}"): (10, 5),
+    ("GET", "/v1/responses/{response_id}/input_items"): (15, 10),
+    ("DELETE", "/v1/responses/{response_id}"): (5, 0),
+    ("POST", "/v1/responses/{response_id}/cancel"): (5, 0),
 }
 # The model each operation's requests are pointed at (see `steer`), and those that stream.
-SERVED = {"/v1/chat/completions": BUNDLED_NAME, "/v1/completions": BUNDLED_NAME, "/v1/embeddings": EMBED_NAME}
-STREAMING = {"/v1/chat/completions", "/v1/completions"}
+SERVED = {
+    "/v1/chat/completions": BUNDLED_NAME,
+    "/v1/completions": BUNDLED_NAME,
+    "/v1/embeddings": EMBED_NAME,
+    "/v1/responses": BUNDLED_NAME,
+}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+# Stored responses the run's path parameters name (made before it starts): one to read, list
+# and cancel, one to delete (once; then it is a 404 like any other id).
+RESPONSE_IDS: dict[str, str] = {}
 # Every /admin/v1 operation: (positive, negative) examples. Operations that take no input
 # yield one distinct case; it is sent again as other callers until each has MIN_PER_OPERATION.
 ADMIN_BUDGET = (7, 3)
@@ -81,6 +96,10 @@ MIN_OK = {
     "/v1/embeddings": 5,
     "/v1/models": 1,
     "/v1/models/{model}": 5,
+    "/v1/responses": 10,
+    "/v1/responses/{response_id}": 3,
+    "/v1/responses/{response_id}/input_items": 3,
+    "/v1/responses/{response_id}/cancel": 0,  # nothing runs in the background to cancel
 }
 
 CHECKS = [
@@ -98,6 +117,7 @@ REQUEST_TYPES: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponseCreateRequest,
 }
 
 
@@ -115,6 +135,13 @@ class _CompletionChunk(openai.types.Completion):
     choices: list[_StreamedCompletionChoice]  # type: ignore[assignment]
 
 
+class _DeletedResponse(BaseModel):
+    # The SDK returns nothing for a deleted response; OpenAI's body is this.
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
 class _ModelList(BaseModel):
     # The SDK pages lists itself and has no type for the envelope.
     object: Literal["list"]
@@ -128,7 +155,14 @@ SDK_TYPES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/models": (_ModelList, None),
     "/v1/models/{model}": (openai.types.Model, None),
     "/v1/embeddings": (openai.types.CreateEmbeddingResponse, None),
+    "/v1/responses": (openai.types.responses.Response, None),  # its events: `check_response_events`
+    "/v1/responses/{response_id}": (openai.types.responses.Response, None),
+    "/v1/responses/{response_id}/input_items": (openai.types.responses.ResponseItemList, None),
+    "/v1/responses/{response_id}/cancel": (openai.types.responses.Response, None),
 }
+# The SDK's DELETE returns nothing; OpenAI's answer is this body.
+SDK_TYPES_BY_METHOD = {("DELETE", "/v1/responses/{response_id}"): _DeletedResponse}
+_RESPONSE_EVENT = TypeAdapter(openai.types.responses.ResponseStreamEvent)
 
 _ERROR = TypeAdapter(dict[Literal["error"], openai.types.ErrorObject])
 
@@ -144,10 +178,31 @@ def content_type(response: schemathesis.Response) -> str:
     return (response.headers.get("content-type") or [""])[0]
 
 
-def check_with_sdk(path: str, body: Any, response: schemathesis.Response) -> None:
+def check_response_events(body: str) -> None:
+    """A Responses stream: each event `event: <type>` then its `data`, numbered from 0, ending
+    with the response's last state."""
+    events = []
+    for block in (b for b in body.split("\n\n") if b):
+        head, data = block.split("\n")
+        event = _RESPONSE_EVENT.validate_json(data.removeprefix("data: "), strict=True)
+        assert head == f"event: {event.type}", block[:300]
+        events.append(event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created", events[:1]
+    assert events[-1].type in ("response.completed", "response.incomplete", "response.failed"), events[-1:]
+
+
+def check_with_sdk(path: str, body: Any, response: schemathesis.Response, method: str = "POST") -> None:
     """Parse a 2xx body strictly into the SDK's types, an error into its ErrorObject."""
     if response.status_code >= 400:
         _ERROR.validate_json(response.content, strict=True)
+        return
+    if path == "/v1/responses" and content_type(response).startswith("text/event-stream"):
+        assert not response.stream_cut_short, "read the whole stream"
+        check_response_events(response.text)
+        return
+    if (method, path) in SDK_TYPES_BY_METHOD:
+        SDK_TYPES_BY_METHOD[method, path].model_validate_json(response.content, strict=True)
         return
     whole, chunk = SDK_TYPES[path]
     if path == "/v1/embeddings" and isinstance(body, dict) and body.get("encoding_format") == "base64":
@@ -289,7 +344,7 @@ def check_admin(case: Any, response: schemathesis.Response, mode: GenerationMode
 def check_v1(case: Any, response: schemathesis.Response, mode: GenerationMode) -> None:
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
     case.validate_response(response, checks=checks)
-    check_with_sdk(case.operation.path, case.body, response)
+    check_with_sdk(case.operation.path, case.body, response, case.operation.method.upper())
 
 
 def run_operation(
@@ -340,14 +395,20 @@ def steer_v1(case: Any, path: str, i: int, mode: GenerationMode) -> None:
     """
     if path == "/v1/models/{model}" and i % 5:
         case.path_parameters = {"model": (BUNDLED_NAME, EMBED_NAME)[i % 2]}
+    if path.startswith("/v1/responses/") and i % 5:
+        which = "delete" if case.operation.method.upper() == "DELETE" else "read"
+        case.path_parameters = {**(case.path_parameters or {}), "response_id": RESPONSE_IDS[which]}
     if not isinstance(case.body, dict):
         return
     body = dict(case.body)
     if i % 5 and "model" in body:
         body["model"] = SERVED[path]
+    if i % 5 and path == "/v1/responses" and body.get("input") is None:
+        body["input"] = "Hello"  # optional in the document (as OpenAI's), needed to answer
     if mode is GenerationMode.POSITIVE and path in STREAMING and i % 3 == 1:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": bool(i % 2)}
+        if path != "/v1/responses":  # its stream_options hold no usage switch
+            body["stream_options"] = {"include_usage": bool(i % 2)}
     case.body = body
 
 
@@ -435,6 +496,14 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(g
     missing = v1_operations(doc) ^ set(BUDGET)
     assert not missing, f"operations of the document without a budget, or gone: {sorted(missing)}"
     sandbox = await make_sandbox(gateway_env)
+    for which in ("read", "delete"):
+        made = await gateway_env.client.post(
+            "/v1/responses",
+            headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+            json={"model": BUNDLED_NAME, "input": "Hello", "max_output_tokens": 2},
+        )
+        assert made.status_code == 200, made.text
+        RESPONSE_IDS[which] = made.json()["id"]
     schema = schemathesis.openapi.from_dict(doc)
     async with heartbeats(gateway_env, embedder, embed_dep):
         tally = await asyncio.to_thread(
