@@ -211,14 +211,23 @@ def lora_enabled(args: Mapping[str, Any]) -> bool:
     return bool(args.get("enable_lora", "max_loras" in args))
 
 
+def schedules_by_priority(args: Mapping[str, Any]) -> bool:
+    """vLLM takes a request's priority (flex behind default) only when it schedules by
+    priority, the worker's default; a deployment may ask for `fcfs` instead."""
+    return args.get("scheduling_policy", "priority") == "priority"
+
+
 def vllm_server_flags(
     args: Mapping[str, Any], *, prefix_caching: bool = True, max_lora_rank: int = 64
 ) -> list[str]:
     """The deployment's engine arguments as flags (`vllm_flags`), then the worker's own
     defaults where the deployment says nothing: no prefix caching when TOKENMILL_PREFIX_CACHING
     is off; with adapters, LoRA on and TOKENMILL_MAX_LORA_RANK, so every adapter the control
-    plane accepted loads. One function for the vLLM a worker starts and the pod's sidecar."""
+    plane accepted loads; scheduling by priority, so flex requests wait behind default ones.
+    One function for the vLLM a worker starts and the pod's sidecar."""
     flags = vllm_flags(args)
+    if "scheduling_policy" not in args:
+        flags += ["--scheduling-policy", "priority"]
     if "enable_prefix_caching" not in args and not prefix_caching:
         flags.append("--no-enable-prefix-caching")
     if lora_enabled(args):

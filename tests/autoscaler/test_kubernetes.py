@@ -771,6 +771,9 @@ VLLM_TEMPLATE: dict[str, Any] = {
                     "--gpu-memory-utilization",
                     "0.92",
                     "--enable-prefix-caching",
+                    # The worker's default: flex requests behind default ones.
+                    "--scheduling-policy",
+                    "priority",
                 ],
                 "env": [
                     {"name": "HOME", "value": "/var/lib/vllm"},
@@ -1032,10 +1035,13 @@ def test_vllm_gets_the_flags_a_worker_gives_the_vllm_it_starts() -> None:
     assert vllm_server_flags({"max_loras": 2}, max_lora_rank=64) == [
         "--max-loras",
         "2",
+        "--scheduling-policy",
+        "priority",
         "--enable-lora",
         "--max-lora-rank",
         "64",
     ]
+    assert vllm_server_flags({"scheduling_policy": "fcfs"}) == ["--scheduling-policy", "fcfs"]
 
 
 KV_ENDPOINT = "ipc:///run/tokenmill/kv-events"

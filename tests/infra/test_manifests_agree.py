@@ -481,5 +481,10 @@ def test_tokenmill_module_renders_templates_with_the_autoscaler_s_settings() -> 
     assert "TOKENMILL_VLLM_IMAGE = var.vllm_image" in settings
     assert call["block_size"] == '${tonumber(lookup(local.settings, "TOKENMILL_BLOCK_SIZE", "16"))}'
     assert 'lookup(local.settings, "TOKENMILL_PREFIX_CACHING", "true")' in call["engine_flags"]
-    assert vllm_server_flags({}, prefix_caching=False) == ["--no-enable-prefix-caching"]
+    assert vllm_server_flags({}, prefix_caching=False) == [
+        "--scheduling-policy",
+        "priority",
+        "--no-enable-prefix-caching",
+    ]
+    assert '["--scheduling-policy", "priority"]' in call["engine_flags"]
     assert '["--no-enable-prefix-caching"] : []' in call["engine_flags"]

@@ -216,6 +216,22 @@ async def test_logprobs_per_token_id_and_logit_bias(
     assert deltas[0].logprobs is not None and deltas[0].logprobs[0] == pytest.approx(tops[0][1][1], abs=1e-4)
 
 
+async def test_flex_requests_reach_vllm_at_batch_priority(
+    client: httpx.AsyncClient, generator: VllmGenerator, vllm_server: RunningVllm
+) -> None:
+    """The worker starts vLLM scheduling by priority, so a flex request's priority reaches it
+    (vLLM refuses any priority when it schedules first come, first served)."""
+    prompt = _chat(generator.tokenizer, "What is the capital of France?")
+    req = GenerateRequest(
+        request_id="flex", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4), priority=1
+    )
+    assert generator.body(req, "x")["priority"] == 1
+    async with client.stream("POST", "/generate", content=msgspec.json.encode(req), headers=AUTH) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        deltas = [msgspec.json.decode(line, type=GenerateDelta) async for line in resp.aiter_lines() if line]
+    assert deltas[-1].error is None and deltas[-1].completion_tokens == 4, deltas[-1]
+
+
 async def test_stop_string(client: httpx.AsyncClient, generator: VllmGenerator) -> None:
     prompt = _chat(generator.tokenizer, "Tell me a short story about a cat.")
     _, full = await _generate(client, prompt, temperature=0, max_tokens=20, ignore_eos=True)

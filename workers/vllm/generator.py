@@ -33,6 +33,7 @@ from tokenmill.errors import APIError
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from tokenmill.request_limits import check_prompt
 from tokenmill.tokenization import Tokenizer
+from tokenmill.vllm_args import schedules_by_priority
 from workers.adapters import AdapterProblem
 from workers.engine.sampling import SamplingParams
 from workers.engine.structured import JSON_LAYOUT
@@ -202,7 +203,7 @@ class VllmGenerator:
         self._adapters = VllmAdapters(self._client, fetch_adapter, enabled=server.lora, capacity=max_adapters)
         self._ids = itertools.count()
         # vLLM refuses a priority unless it schedules by priority (an engine argument).
-        self._priorities = server.engine_args.get("scheduling_policy") == "priority"
+        self._priorities = schedules_by_priority(server.engine_args)
 
     # --- load, for metrics and heartbeats: vLLM's own figures ---------------------------------------
 

@@ -1426,7 +1426,10 @@ module "worker_template" {
   vllm_image         = var.vllm_image
   block_size         = tonumber(lookup(local.settings, "TOKENMILL_BLOCK_SIZE", "16"))
   # No engine arguments: only the worker's own default (autoscaler/kubernetes.py vllm_server_flags).
-  engine_flags = contains(["0", "false", "f", "no", "n", "off"], lower(lookup(local.settings, "TOKENMILL_PREFIX_CACHING", "true"))) ? ["--no-enable-prefix-caching"] : []
+  engine_flags = concat(
+    ["--scheduling-policy", "priority"],
+    contains(["0", "false", "f", "no", "n", "off"], lower(lookup(local.settings, "TOKENMILL_PREFIX_CACHING", "true"))) ? ["--no-enable-prefix-caching"] : [],
+  )
 }
 
 resource "kubernetes_config_map_v1" "worker_templates" {
