@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -228,3 +229,29 @@ def test_echo_and_several_prompts(server: Server, engine: LLM) -> None:
         prompt_tokens,
         completion_tokens,
     )
+
+
+def test_refusals_carry_the_servers_request_id(server: Server) -> None:
+    """A 401 and a 429 through the SDK carry a fresh `x-request-id` as an answer does, so a
+    client can quote any failure to the operator."""
+    unknown = openai.OpenAI(base_url=f"{server.url}/v1", api_key="tm-nope", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as denied:
+        unknown.models.list()
+    admin = {"authorization": f"Bearer {server.key}"}
+    with httpx.Client(base_url=f"{server.url}/admin/v1", headers=admin, timeout=30) as c:
+        org = c.post("/organizations", json={"name": "one-a-minute"})
+        assert org.status_code == 201, org.text
+        body = {"name": "slow", "requests_per_minute": 1, "request_burst": 1}
+        key = c.post(f"/organizations/{org.json()['id']}/keys", json=body)
+        assert key.status_code == 201, key.text
+    secret = key.json()["secret"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=secret, max_retries=0, timeout=120)
+    answered = client.chat.completions.with_raw_response.create(model=MODEL, messages=ASK, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    ids = [
+        answered.headers["x-request-id"],
+        denied.value.response.headers["x-request-id"],
+        limited.value.response.headers["x-request-id"],
+    ]
+    assert all(i.startswith("req_") for i in ids) and len(set(ids)) == 3, ids
