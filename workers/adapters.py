@@ -12,12 +12,19 @@ cache's keys rely on.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from tokenmill.modelstore import fetch_prefix
 from tokenmill.storage import Storage
+
+log = logging.getLogger(__name__)
+
+# Adapter id (and its storage key, if known) -> local directory with its files; blocking.
+FetchAdapter = Callable[[str, str | None], Path]
 
 # PEFT's file names, as the control plane stores them (control_plane.catalog.lora; workers do not
 # import the control plane).
@@ -58,6 +65,31 @@ def check_adapter_key(adapter_id: str, key: str) -> str:
             400, f"adapter key {key!r} is not adapters/<org>/{adapter_id}/", "invalid_adapter_key"
         )
     return "/".join(parts) + "/"
+
+
+async def fetch_files(fetch: FetchAdapter | None, adapter_id: str, key: str | None) -> Path:
+    """The adapter's files on this worker's disk, fetched off the event loop; AdapterProblem
+    says why not (404 when storage does not have it, 503 when storage could not be read: another
+    worker, or a retry, may do). One rule for both engines' workers."""
+    if fetch is None:
+        raise AdapterProblem(
+            404,
+            f"adapter {adapter_id!r} is not loaded and this worker has no adapter storage",
+            "adapter_not_found",
+        )
+    try:
+        return await asyncio.to_thread(fetch, adapter_id, key)
+    except AdapterProblem:
+        raise
+    except FileNotFoundError as exc:
+        raise AdapterProblem(
+            404, f"adapter {adapter_id!r} is not in storage: {exc}", "adapter_not_found"
+        ) from exc
+    except Exception as exc:  # storage down, network
+        log.exception("fetching adapter %s failed", adapter_id)
+        raise AdapterProblem(
+            503, f"adapter {adapter_id!r} could not be fetched: {exc}", "adapter_unavailable"
+        ) from exc
 
 
 def find_adapter_key(storage: Storage, adapter_id: str) -> str:

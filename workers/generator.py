@@ -13,7 +13,7 @@ import itertools
 import logging
 import pickle
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from tokenmill.errors import APIError
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from tokenmill.request_limits import check_prompt
 from tokenmill.tokenization import Tokenizer
-from workers.adapters import AdapterProblem, check_adapter_key
+from workers.adapters import AdapterProblem, FetchAdapter, check_adapter_key, fetch_files
 from workers.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from workers.engine.block_manager import BlockRemoved, BlockStored
 from workers.engine.lora import AdapterBusy, AdapterError, LoraAdapter, load_adapter
@@ -33,7 +33,6 @@ from workers.engine.process import EngineInfo, EngineProcess, EngineState
 log = logging.getLogger(__name__)
 
 # (adapter id, storage key or None) -> local directory of its PEFT files (workers.adapters).
-FetchAdapter = Callable[[str, str | None], Path]
 
 
 class InvalidRequest(ValueError):
@@ -184,14 +183,8 @@ class EngineGenerator:
         return await asyncio.shield(pending)
 
     async def _load(self, adapter_id: str, key: str | None) -> list[str]:
-        if self._fetch is None:
-            raise AdapterProblem(
-                404,
-                f"adapter {adapter_id!r} is not loaded and this worker has no adapter storage",
-                "adapter_not_found",
-            )
+        path = await fetch_files(self._fetch, adapter_id, key)
         try:
-            path = await asyncio.to_thread(self._fetch, adapter_id, key)
             # Reading the safetensors (and folding the scaling) is the slow part: not on the engine's loop.
             adapter = await asyncio.to_thread(self._read_adapter, path, adapter_id)
             if key:
@@ -203,14 +196,10 @@ class EngineGenerator:
             raise AdapterProblem(409, str(exc), "adapter_slots_busy") from exc
         except AdapterError as exc:
             raise AdapterProblem(400, str(exc), "invalid_adapter") from exc
-        except FileNotFoundError as exc:
-            raise AdapterProblem(
-                404, f"adapter {adapter_id!r} is not in storage: {exc}", "adapter_not_found"
-            ) from exc
-        except Exception as exc:  # storage down, network: another worker (or a retry) may do
+        except Exception as exc:  # its files unreadable, the engine process gone: a retry may do
             log.exception("loading adapter %s failed", adapter_id)
             raise AdapterProblem(
-                503, f"adapter {adapter_id!r} could not be fetched: {exc}", "adapter_unavailable"
+                503, f"adapter {adapter_id!r} could not be loaded: {exc}", "adapter_unavailable"
             ) from exc
         log.info(
             "loaded adapter %s (rank %d, %s, %.1f MB)%s",

@@ -34,11 +34,11 @@ from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from tokenmill.request_limits import check_prompt
 from tokenmill.tokenization import Tokenizer
 from tokenmill.vllm_args import schedules_by_priority
-from workers.adapters import AdapterProblem
+from workers.adapters import AdapterProblem, FetchAdapter
 from workers.engine.sampling import SamplingParams
 from workers.engine.structured import JSON_LAYOUT
 from workers.generator import InvalidRequest
-from workers.vllm.lora import FetchAdapter, VllmAdapters
+from workers.vllm.lora import VllmAdapters
 from workers.vllm.metrics import MetricsPoller, VllmFigures
 from workers.vllm.server import VllmServer
 

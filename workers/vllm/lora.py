@@ -16,17 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 
-from workers.adapters import AdapterProblem, check_adapter_key
+from workers.adapters import AdapterProblem, FetchAdapter, check_adapter_key, fetch_files
 
 log = logging.getLogger(__name__)
 
 # (adapter id, storage key or None) -> local directory of its PEFT files (workers.adapters).
-FetchAdapter = Callable[[str, str | None], Path]
 LOAD_TIMEOUT = 300.0  # vLLM reads and checks the weights before answering
 
 
@@ -95,25 +92,7 @@ class VllmAdapters:
         return await asyncio.shield(pending)
 
     async def _load(self, adapter_id: str, key: str | None) -> list[str]:
-        if self._fetch is None:
-            raise AdapterProblem(
-                404,
-                f"adapter {adapter_id!r} is not loaded and this worker has no adapter storage",
-                "adapter_not_found",
-            )
-        try:
-            path = await asyncio.to_thread(self._fetch, adapter_id, key)
-        except FileNotFoundError as exc:
-            raise AdapterProblem(
-                404, f"adapter {adapter_id!r} is not in storage: {exc}", "adapter_not_found"
-            ) from exc
-        except AdapterProblem:
-            raise
-        except Exception as exc:  # storage down, network: another worker (or a retry) may do
-            log.exception("fetching adapter %s failed", adapter_id)
-            raise AdapterProblem(
-                503, f"adapter {adapter_id!r} could not be fetched: {exc}", "adapter_unavailable"
-            ) from exc
+        path = await fetch_files(self._fetch, adapter_id, key)
         body = {"lora_name": adapter_id, "lora_path": str(path)}
         try:
             resp = await self._client.post("/v1/load_lora_adapter", json=body, timeout=LOAD_TIMEOUT)
