@@ -188,19 +188,23 @@ def chat_messages(instructions: str | None, conversation: list[Item]) -> list[Ch
     assistant message (or after each other) are that message's tool calls, a call's output is
     a tool message."""
     messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    turn: ChatMessage | None = None  # the assistant turn that function calls following it join
     for item in conversation:
         kind = item["type"]
         if kind == "message":
             text = "".join(p.get("text") or p.get("refusal") or "" for p in item["content"])
-            messages.append(ChatMessage(role=item["role"], content=text))
+            message = ChatMessage(role=item["role"], content=text)
+            messages.append(message)
+            turn = message if item["role"] == "assistant" else None
         elif kind == "function_call":
             call = ToolCall(id=item["call_id"], function=FunctionCall(item["name"], item["arguments"]))
-            if messages and messages[-1].role == "assistant":
-                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
-            else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            if turn is None:
+                turn = ChatMessage(role="assistant", content=None)
+                messages.append(turn)
+            turn.tool_calls = [*(turn.tool_calls or []), call]
         else:
             messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=item["output"]))
+            turn = None
     return messages
 
 
