@@ -68,6 +68,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     if parts.gateway:
         from gateway.admission import Admitter
         from gateway.controllers import OpenAIController, stamp_request_ids
+        from gateway.files import FilesController
         from gateway.fleet import FleetView
         from gateway.keys import KeyCache
         from gateway.prep import Prep
@@ -78,7 +79,10 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from tokenmill.limits import RateLimiter, RedisRateLimiter, make_limiter
         from tokenmill.resp import RespClient, RespPublisher
         from tokenmill.spool import SpoolingPublisher
+        from tokenmill.storage import open_storage
 
+        # The files of /v1/files (and, with the admin API, adapter files): one store per app.
+        state["storage"] = open_storage(settings)
         fleet = FleetView(bus, timeout=settings.worker_timeout_seconds, routing=settings.routing)
         keys = KeyCache(settings, bus, sessionmaker)
         limiter: RateLimiter
@@ -133,7 +137,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         handlers.append(
             Router(
                 "/",
-                route_handlers=[OpenAIController, ResponsesController],
+                route_handlers=[OpenAIController, ResponsesController, FilesController],
                 request_max_body_size=settings.max_request_bytes,
             )
         )
@@ -148,7 +152,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         from tokenmill.storage import open_storage
 
         # Adapter (and weight) files: one store per app, used by the catalogue's services.
-        storage = open_storage(settings)
+        storage = state.get("storage") or open_storage(settings)
         catalog = catalog_config(settings, storage)
         state.update(storage=storage, catalog=catalog)
         # Every admin request (the control plane's and billing's) is one unit of work: its

@@ -226,8 +226,8 @@ class Settings(BaseSettings):
     )
     storage_url: str | None = Field(
         default=None,
-        description="Where weights and adapter files are stored: `file:///path` or `s3://bucket/prefix`; "
-        "default HOME/storage.",
+        description="Where weights, adapter files and the files of /v1/files are stored: `file:///path` "
+        "or `s3://bucket/prefix`; default HOME/storage.",
     )
     s3_endpoint_url: str | None = Field(
         default=None, description="Endpoint of an S3-compatible server (MinIO, Ceph...); default AWS."
@@ -404,6 +404,19 @@ class Settings(BaseSettings):
     max_top_logprobs: int = Field(default=20, ge=0, description="Largest `top_logprobs` (OpenAI: 20).")
     max_embedding_inputs: int = Field(
         default=2048, ge=1, description="Most inputs in one embeddings request (OpenAI: 2048)."
+    )
+    # --- what one uploaded file (`POST /v1/files`) may hold (OpenAI's Batch API limits) ---
+    max_file_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1024,
+        description="Largest file `POST /v1/files` accepts, in bytes (413 while it arrives, before it "
+        "is stored); OpenAI's limit for batch input files is 200 MB.",
+    )
+    max_file_lines: int = Field(
+        default=50_000,
+        ge=1,
+        description="Most lines (requests) of an uploaded batch file (400 above it); OpenAI's limit "
+        "is 50,000 requests per batch.",
     )
     prep_threads: int = Field(
         default=max(1, (os.cpu_count() or 2) // 2),

@@ -31,6 +31,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
 from gateway.controllers import OpenAIController
+from gateway.files import FilesController
 from gateway.responses import ResponsesController
 from tokenmill.openai_responses import RESPONSES_PARAMETERS, ResponseCreateRequest
 from tokenmill.openai_types import (
@@ -182,8 +183,10 @@ _METHOD = re.compile(r"^(GET|POST|PUT|PATCH|DELETE) (/v1\S*)$")
 
 def served() -> dict[tuple[str, str], re.Pattern[str]]:
     """(method, path as OpenAI writes it) -> a pattern of the concrete paths, for every route of
-    the two controllers `tokenmill/app.py` mounts under /v1."""
-    app = Litestar(route_handlers=[OpenAIController, ResponsesController], openapi_config=None)
+    the controllers `tokenmill/app.py` mounts under /v1."""
+    app = Litestar(
+        route_handlers=[OpenAIController, ResponsesController, FilesController], openapi_config=None
+    )
     out = {}
     for route in app.routes:
         pattern = re.escape(route.path)

@@ -70,6 +70,11 @@ BUDGET: dict[tuple[str, str], tuple[int, int]] = {
     ("GET", "/v1/responses/{response_id}/input_items"): (15, 10),
     ("DELETE", "/v1/responses/{response_id}"): (5, 0),
     ("POST", "/v1/responses/{response_id}/cancel"): (5, 0),
+    ("POST", "/v1/files"): (20, 10),
+    ("GET", "/v1/files"): (15, 10),
+    ("GET", "/v1/files/{file_id}"): (10, 0),
+    ("GET", "/v1/files/{file_id}/content"): (10, 0),
+    ("DELETE", "/v1/files/{file_id}"): (5, 0),
 }
 # The model each operation's requests are pointed at (see `steer`), and those that stream.
 SERVED = {
@@ -82,6 +87,8 @@ STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 # Stored responses the run's path parameters name (made before it starts): one to read, list
 # and cancel, one to delete (once; then it is a 404 like any other id).
 RESPONSE_IDS: dict[str, str] = {}
+# Likewise the uploaded files the run's `file_id`s name.
+FILE_IDS: dict[str, str] = {}
 # Every /admin/v1 operation: (positive, negative) examples. Operations that take no input
 # yield one distinct case; it is sent again as other callers until each has MIN_PER_OPERATION.
 ADMIN_BUDGET = (7, 3)
@@ -100,6 +107,9 @@ MIN_OK = {
     "/v1/responses/{response_id}": 3,
     "/v1/responses/{response_id}/input_items": 3,
     "/v1/responses/{response_id}/cancel": 0,  # nothing runs in the background to cancel
+    "/v1/files": 10,  # uploads (any bytes, named batch.jsonl by the document) and lists
+    "/v1/files/{file_id}": 3,
+    "/v1/files/{file_id}/content": 3,
 }
 
 CHECKS = [
@@ -148,6 +158,15 @@ class _ModelList(BaseModel):
     data: list[openai.types.Model]
 
 
+class _FileList(BaseModel):
+    # OpenAI's cursor page of files (the SDK's `SyncCursorPage` reads `data` and `has_more`).
+    object: Literal["list"]
+    data: list[openai.types.FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # path -> (type of a JSON body, type of each streamed chunk)
 SDK_TYPES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/chat/completions": (openai.types.chat.ChatCompletion, openai.types.chat.ChatCompletionChunk),
@@ -159,9 +178,17 @@ SDK_TYPES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/responses/{response_id}": (openai.types.responses.Response, None),
     "/v1/responses/{response_id}/input_items": (openai.types.responses.ResponseItemList, None),
     "/v1/responses/{response_id}/cancel": (openai.types.responses.Response, None),
+    "/v1/files": (_FileList, None),
+    "/v1/files/{file_id}": (openai.types.FileObject, None),
 }
 # The SDK's DELETE returns nothing; OpenAI's answer is this body.
-SDK_TYPES_BY_METHOD = {("DELETE", "/v1/responses/{response_id}"): _DeletedResponse}
+SDK_TYPES_BY_METHOD: dict[tuple[str, str], type[BaseModel]] = {
+    ("DELETE", "/v1/responses/{response_id}"): _DeletedResponse,
+    ("POST", "/v1/files"): openai.types.FileObject,
+    ("DELETE", "/v1/files/{file_id}"): openai.types.FileDeleted,
+}
+# Answers that are bytes, not JSON (the SDK hands them over as they are).
+BINARY = {"/v1/files/{file_id}/content"}
 _RESPONSE_EVENT = TypeAdapter(openai.types.responses.ResponseStreamEvent)
 
 _ERROR = TypeAdapter(dict[Literal["error"], openai.types.ErrorObject])
@@ -203,6 +230,9 @@ def check_with_sdk(path: str, body: Any, response: schemathesis.Response, method
         return
     if (method, path) in SDK_TYPES_BY_METHOD:
         SDK_TYPES_BY_METHOD[method, path].model_validate_json(response.content, strict=True)
+        return
+    if path in BINARY:
+        assert content_type(response) == "application/octet-stream", response.headers
         return
     whole, chunk = SDK_TYPES[path]
     if path == "/v1/embeddings" and isinstance(body, dict) and body.get("encoding_format") == "base64":
@@ -398,6 +428,9 @@ def steer_v1(case: Any, path: str, i: int, mode: GenerationMode) -> None:
     if path.startswith("/v1/responses/") and i % 5:
         which = "delete" if case.operation.method.upper() == "DELETE" else "read"
         case.path_parameters = {**(case.path_parameters or {}), "response_id": RESPONSE_IDS[which]}
+    if path.startswith("/v1/files/") and i % 5:
+        which = "delete" if case.operation.method.upper() == "DELETE" else "read"
+        case.path_parameters = {**(case.path_parameters or {}), "file_id": FILE_IDS[which]}
     if not isinstance(case.body, dict):
         return
     body = dict(case.body)
@@ -504,6 +537,14 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(g
         )
         assert made.status_code == 200, made.text
         RESPONSE_IDS[which] = made.json()["id"]
+        uploaded = await gateway_env.client.post(
+            "/v1/files",
+            headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+            data={"purpose": "batch"},
+            files={"file": (f"{which}.jsonl", b'{"custom_id": "1"}\n')},
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        FILE_IDS[which] = uploaded.json()["id"]
     schema = schemathesis.openapi.from_dict(doc)
     async with heartbeats(gateway_env, embedder, embed_dep):
         tally = await asyncio.to_thread(
