@@ -13,6 +13,7 @@ from sqlalchemy import bindparam, literal_column, union_all
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.models import METERS
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
 
@@ -22,9 +23,10 @@ CENT = Decimal("0.01")
 BILLIONTH = Decimal("1e-9")  # of a currency unit: the precision of prices and stored costs
 HOUR = timedelta(hours=1)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# The meters counted in tokens (online and batch); the rest is GPU time.
+TOKEN_METERS = tuple(m for m in METERS if m != "gpu_seconds")
 # What one unit price is per: a million tokens, or an hour of GPU time.
-PER = {"input": MILLION, "cached_input": MILLION, "output": MILLION, "gpu_seconds": SECONDS_PER_HOUR}
-TOKEN_METERS = ("input", "cached_input", "output")
+PER = {m: MILLION for m in TOKEN_METERS} | {"gpu_seconds": SECONDS_PER_HOUR}
 
 
 # --- time -------------------------------------------------------------------------------

@@ -25,7 +25,11 @@ QUANTITY = Numeric(24, 6)  # tokens (whole) or GPU-seconds (to the microsecond)
 # SQLite only auto-increments an INTEGER primary key.
 SERIAL = BigInteger().with_variant(Integer(), "sqlite")
 
-METERS = ("input", "cached_input", "output", "gpu_seconds")
+# Tokens of requests run in a batch (/v1/batches) have meters of their own, priced at the
+# price version's batch discount, so invoices and Stripe show them apart from online usage.
+BATCH_METERS = ("batch_input", "batch_cached_input", "batch_output")
+# Every meter of the rollups and invoice lines, in the order invoice lines list them.
+METERS = ("input", "cached_input", "output", *BATCH_METERS, "gpu_seconds")
 
 
 class Price(Timestamped, Base):
@@ -48,6 +52,10 @@ class Price(Timestamped, Base):
     cached_input_per_mtok: Mapped[Decimal] = mapped_column(MONEY, default=Decimal(0))
     output_per_mtok: Mapped[Decimal] = mapped_column(MONEY, default=Decimal(0))
     gpu_hour: Mapped[Decimal] = mapped_column(MONEY, default=Decimal(0))
+    # Off the token prices for requests run in a batch (/v1/batches): 0.5 is half price.
+    batch_discount: Mapped[Decimal] = mapped_column(
+        Numeric(5, 4), default=Decimal("0.5"), server_default="0.5"
+    )
     effective_from: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -83,6 +91,8 @@ class UsageEvent(Base):
     user: Mapped[str | None] = mapped_column(String(256))
     client_request_id: Mapped[str | None] = mapped_column(String(512))
     service_tier: Mapped[str] = mapped_column(String(10), default="default", server_default="default")
+    # The batch (/v1/batches) the request was a line of: priced at the batch discount.
+    batch_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class UsageRollup(Base):
@@ -106,7 +116,7 @@ class UsageRollup(Base):
     deployment_id: Mapped[str] = mapped_column(String(40), default="")
     model: Mapped[str] = mapped_column(String(200))  # the catalogue name of the base model
     adapter: Mapped[str] = mapped_column(String(200), default="")  # adapter id, '' for none
-    meter: Mapped[str] = mapped_column(String(20))  # input | cached_input | output | gpu_seconds
+    meter: Mapped[str] = mapped_column(String(20))  # one of METERS
     price_id: Mapped[str] = mapped_column(String(40), default="")  # '' = not charged
     quantity: Mapped[Decimal] = mapped_column(QUANTITY)  # tokens, or GPU-seconds
     # Per million tokens, or per GPU-hour; 0 when not charged (dedicated tokens, no price).

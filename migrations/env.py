@@ -9,6 +9,7 @@ from sqlalchemy.engine import Connection
 
 import billing.models  # noqa: F401  (registers tables on Base.metadata)
 import control_plane.audit.models
+import control_plane.batches.models
 import control_plane.catalog.models
 import control_plane.files.models
 import control_plane.orgs.models

@@ -21,6 +21,7 @@ from sqlalchemy.sql.expression import TableClause
 
 import billing.models  # noqa: F401  (registers its tables on Base.metadata)
 import control_plane.audit.models
+import control_plane.batches.models
 import control_plane.catalog.models
 import control_plane.files.models
 import control_plane.orgs.models

@@ -189,6 +189,8 @@ class UsageRecord(msgspec.Struct, omit_defaults=True):
     user: str | None = None
     client_request_id: str | None = None
     service_tier: str = "default"
+    # The batch (/v1/batches) this request was a line of, priced at the batch discount.
+    batch_id: str | None = None
 
 
 class KeysChanged(msgspec.Struct, omit_defaults=True):

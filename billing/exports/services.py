@@ -47,6 +47,7 @@ USAGE_COLUMNS = (
     "user",
     "client_request_id",
     "service_tier",
+    "batch_id",
 )
 ROLLUP_COLUMNS = (
     "hour",

@@ -27,7 +27,7 @@ class InvoiceGenerateOut(msgspec.Struct):
 class InvoiceLineOut(msgspec.Struct):
     position: int
     description: str
-    meter: str  # input | cached_input | output | gpu_seconds
+    meter: str  # input | cached_input | output | gpu_seconds; batch_ + a token meter for batches
     model: str
     deployment_id: str | None
     adapter: str | None

@@ -30,6 +30,9 @@ METER_LABELS = {
     "input": "input tokens",
     "cached_input": "cached input tokens",
     "output": "output tokens",
+    "batch_input": "batch input tokens",
+    "batch_cached_input": "batch cached input tokens",
+    "batch_output": "batch output tokens",
     "gpu_seconds": "GPU time",
 }
 # A transaction-scoped PostgreSQL advisory lock serializing invoice numbering.
@@ -84,7 +87,7 @@ LineKey = tuple[str, str, str, str, Decimal]
 
 
 def _line_order(key: LineKey) -> tuple[Any, ...]:
-    """Token lines by model, adapter and meter; GPU time last."""
+    """Token lines by model, adapter and meter (online, then batch); GPU time last."""
     dep, model, adapter, meter, unit_price = key
     return (meter == "gpu_seconds", model, adapter, dep, METERS.index(meter), unit_price)
 

@@ -48,6 +48,7 @@ def _row(rec: UsageRecord) -> dict[str, Any]:
         "user": rec.user,
         "client_request_id": rec.client_request_id,
         "service_tier": rec.service_tier,
+        "batch_id": rec.batch_id,
     }
 
 
@@ -70,6 +71,7 @@ _LEDGER_COLUMNS = (
     ("user", "varchar"),
     ("client_request_id", "varchar"),
     ("service_tier", "varchar"),
+    ("batch_id", "varchar"),
 )
 # Quoted: `user` is a reserved word in PostgreSQL.
 _LEDGER_NAMES = ", ".join(f'"{c}"' for c, _ in _LEDGER_COLUMNS)
@@ -101,6 +103,7 @@ def _columns(records: list[UsageRecord]) -> dict[str, list[Any]]:
         "user": [r.user for r in records],
         "client_request_id": [r.client_request_id for r in records],
         "service_tier": [r.service_tier for r in records],
+        "batch_id": [r.batch_id for r in records],
     }
 
 

@@ -35,6 +35,7 @@ def _model_price_out(price: Price, model: Model) -> ModelPriceOut:
         input_per_mtok=price.input_per_mtok.normalize(),
         cached_input_per_mtok=price.cached_input_per_mtok.normalize(),
         output_per_mtok=price.output_per_mtok.normalize(),
+        batch_discount=price.batch_discount.normalize(),
         effective_from=as_utc(price.effective_from),
         created_at=as_utc(price.created_at),
     )
@@ -85,6 +86,7 @@ class PriceController(Controller):
             output_per_mtok=data.output_per_mtok,
             currency=data.currency,
             effective_from=data.effective_from,
+            batch_discount=data.batch_discount,
         )
         await record_change(db_session, admin, "create", "price", price.id, org_id=None, after=price)
         return _model_price_out(price, model)

@@ -16,7 +16,9 @@ Currency = Annotated[str, Meta(min_length=3, max_length=3)]
 
 class ModelPriceCreate(msgspec.Struct, forbid_unknown_fields=True):
     """A new price version of a model, per million tokens. Without `cached_input_per_mtok`,
-    cached tokens cost the input price; without `effective_from`, it applies from now."""
+    cached tokens cost the input price; without `effective_from`, it applies from now.
+    `batch_discount` is the fraction taken off the token prices for requests run in a batch
+    (/v1/batches): 0.5, half price, unless told otherwise."""
 
     model: Annotated[str, Meta(min_length=1, max_length=200)]  # name or id
     input_per_mtok: Decimal
@@ -24,6 +26,7 @@ class ModelPriceCreate(msgspec.Struct, forbid_unknown_fields=True):
     cached_input_per_mtok: Decimal | None = None
     currency: Currency = "usd"
     effective_from: datetime | None = None
+    batch_discount: Decimal | None = None
 
 
 class ModelPriceOut(msgspec.Struct):
@@ -34,6 +37,7 @@ class ModelPriceOut(msgspec.Struct):
     input_per_mtok: Decimal
     cached_input_per_mtok: Decimal
     output_per_mtok: Decimal
+    batch_discount: Decimal
     effective_from: datetime
     created_at: datetime
 

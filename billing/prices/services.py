@@ -9,14 +9,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
 from billing.common import BILLIONTH, MILLION, as_utc
-from billing.models import Invoice, Price
+from billing.models import BATCH_METERS, Invoice, Price
 from control_plane.catalog.models import Model
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
@@ -24,27 +24,48 @@ from tokenmill.errors import APIError
 # The most a price may be: what its column (Numeric(18, 9)) holds.
 MAX_PRICE = Decimal(10) ** 9
 CURRENCY = re.compile(r"^[a-z]{3}$")
+# What a price version takes off the token prices of batch requests unless told otherwise
+# (the column's default): half price, as OpenAI's Batch API.
+DEFAULT_BATCH_DISCOUNT = Decimal("0.5")
+# The batch discount's column is Numeric(5, 4).
+DISCOUNT_PLACES = Decimal("0.0001")
+
+
+def batch_price(price: Decimal, discount: Decimal) -> Decimal:
+    """A token price less the batch discount, rounded half-even to the precision of prices:
+    the unit price an invoice line shows, so its amount is its quantity times that price
+    (and the budget counter charges what the invoice will)."""
+    return (price * (1 - discount)).quantize(BILLIONTH, ROUND_HALF_EVEN)
 
 
 @dataclass(slots=True, frozen=True)
 class Rates:
-    """Per-million-token prices of one model."""
+    """Per-million-token prices of one model, and the fraction taken off them for requests
+    run in a batch."""
 
     input: Decimal = Decimal(0)
     cached_input: Decimal = Decimal(0)
     output: Decimal = Decimal(0)
     currency: str = "usd"
+    batch_discount: Decimal = DEFAULT_BATCH_DISCOUNT
 
-    def cost(self, prompt: int, cached: int, completion: int) -> Decimal:
+    def prices(self, *, batch: bool = False) -> tuple[Decimal, Decimal, Decimal]:
+        """Input, cached input and output prices; for a batch request, discounted."""
+        if not batch:
+            return self.input, self.cached_input, self.output
+        d = self.batch_discount
+        return batch_price(self.input, d), batch_price(self.cached_input, d), batch_price(self.output, d)
+
+    def cost(self, prompt: int, cached: int, completion: int, *, batch: bool = False) -> Decimal:
         """Exact cost (not rounded: rounding happens once per invoice line)."""
-        return (
-            (prompt - cached) * self.input + cached * self.cached_input + completion * self.output
-        ) / MILLION
+        p_in, p_cached, p_out = self.prices(batch=batch)
+        return ((prompt - cached) * p_in + cached * p_cached + completion * p_out) / MILLION
 
-    def worst_case(self, prompt: int, max_completion: int) -> Decimal:
+    def worst_case(self, prompt: int, max_completion: int, *, batch: bool = False) -> Decimal:
         """The most a request can cost: every allowed token generated, each prompt token at
         the dearer of the cached and uncached price."""
-        return (prompt * max(self.input, self.cached_input) + max_completion * self.output) / MILLION
+        p_in, p_cached, p_out = self.prices(batch=batch)
+        return (prompt * max(p_in, p_cached) + max_completion * p_out) / MILLION
 
 
 FREE = Rates()
@@ -69,14 +90,23 @@ async def model_rates(session: AsyncSession, model_id: str, at: datetime | None 
     price = await price_at(session, model_id=model_id, at=at or utcnow())
     if price is None:
         return FREE
-    return Rates(price.input_per_mtok, price.cached_input_per_mtok, price.output_per_mtok, price.currency)
+    return Rates(
+        price.input_per_mtok,
+        price.cached_input_per_mtok,
+        price.output_per_mtok,
+        price.currency,
+        price.batch_discount,
+    )
 
 
 def meter_price(price: Price | None, meter: str) -> Decimal:
     """What one unit of `meter` costs at a price version (per million tokens or per
-    GPU-hour); nothing without a price."""
+    GPU-hour); nothing without a price. Batch tokens cost the token price less the
+    version's batch discount."""
     if price is None:
         return Decimal(0)
+    if meter in BATCH_METERS:
+        return batch_price(meter_price(price, meter.removeprefix("batch_")), price.batch_discount)
     return {
         "input": price.input_per_mtok,
         "cached_input": price.cached_input_per_mtok,
@@ -93,6 +123,20 @@ def _check_price(value: Decimal, param: str) -> Decimal:
     if not ok:
         raise APIError(
             400, f"{param} must be a non-negative amount below 10^9 with at most 9 decimals.", param=param
+        )
+    return value
+
+
+def _check_discount(value: Decimal) -> Decimal:
+    try:
+        ok = value.is_finite() and 0 <= value <= 1 and value == value.quantize(DISCOUNT_PLACES)
+    except InvalidOperation:
+        ok = False
+    if not ok:
+        raise APIError(
+            400,
+            "batch_discount must be a fraction between 0 and 1 (0.5 is half price) with at most 4 decimals.",
+            param="batch_discount",
         )
     return value
 
@@ -149,9 +193,11 @@ class PriceBook:
         cached_input_per_mtok: Decimal | None = None,
         currency: str = "usd",
         effective_from: datetime | None = None,
+        batch_discount: Decimal | None = None,
     ) -> tuple[Price, Model]:
         """A new price version of a model; without a cached-input price, cached tokens cost
-        as much as uncached ones."""
+        as much as uncached ones. `batch_discount` is the fraction taken off its token
+        prices for requests run in a batch; half by default."""
         model = await self._model(model_ref)
         when = as_utc(effective_from) if effective_from else utcnow()
         price = Price(
@@ -163,6 +209,9 @@ class PriceBook:
                 "cached_input_per_mtok",
             ),
             output_per_mtok=_check_price(output_per_mtok, "output_per_mtok"),
+            batch_discount=_check_discount(
+                DEFAULT_BATCH_DISCOUNT if batch_discount is None else batch_discount
+            ),
             effective_from=when,
         )
         await self._check_effective(Price.model_id == model.id, when)

@@ -1,9 +1,10 @@
 """Hourly rollups: what each organisation used of each meter in each UTC hour, priced.
 
-Tokens come from the ledger, GPU-seconds of dedicated deployments from the workers'
-lifetimes; each is priced at the price version in effect when it was used (dedicated
-deployments by GPU-hour only, their tokens metered but free). Recomputing a range changes
-nothing the second time. Invoices are built from these rows, and so is the dashboard's spend.
+Tokens come from the ledger (those of batch requests on meters of their own, at the batch
+discount), GPU-seconds of dedicated deployments from the workers' lifetimes; each is priced
+at the price version in effect when it was used (dedicated deployments by GPU-hour only,
+their tokens metered but free). Recomputing a range changes nothing the second time.
+Invoices are built from these rows, and so is the dashboard's spend.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from billing.common import (
     floor_hour,
     per_bucket,
 )
-from billing.models import Price, UsageEvent, UsageRollup
+from billing.models import BATCH_METERS, Price, UsageEvent, UsageRollup
 from billing.prices.services import meter_price, price_at
 from control_plane.catalog.models import Deployment, Model, Worker
 from tokenmill.db import utcnow
@@ -104,9 +105,11 @@ async def _token_usage(
     org_id: str | None,
 ) -> None:
     """The ledger's tokens in [start, end) by organisation, hour, deployment, adapter and
-    meter, at the model price in effect when they were used."""
+    meter, at the model price in effect when they were used. Requests run in a batch go to
+    the batch meters, at the price version's batch discount."""
     hour = _hour_index(session, UsageEvent.created_at).label("h")
     model_name = func.coalesce(Model.name, UsageEvent.model)
+    batch = UsageEvent.batch_id.is_not(None).label("batch")
     group = (
         UsageEvent.org_id,
         hour,
@@ -115,6 +118,7 @@ async def _token_usage(
         Deployment.type,
         model_name,
         UsageEvent.adapter,
+        batch,
     )
     prices: dict[tuple[str, datetime], Price | None] = {}
     edges = [start, *await _price_changes(session, Price.model_id.is_not(None), start, end), end]
@@ -135,7 +139,7 @@ async def _token_usage(
         if org_id is not None:
             stmt = stmt.where(UsageEvent.org_id == org_id)
         for row in await session.execute(stmt):
-            org, h, dep_id, model_id, dep_type, model, adapter, prompt, cached, output = row
+            org, h, dep_id, model_id, dep_type, model, adapter, in_batch, prompt, cached, output = row
             price = None
             # Dedicated deployments are paid by the GPU-hour: their tokens are metered, free.
             if model_id is not None and dep_type != "dedicated":
@@ -144,7 +148,8 @@ async def _token_usage(
                 price = prices[model_id, lo]
             at = EPOCH + int(h) * HOUR
             prompt, cached, output = int(prompt or 0), int(cached or 0), int(output or 0)
-            for meter, quantity in (("input", prompt - cached), ("cached_input", cached), ("output", output)):
+            meters = BATCH_METERS if in_batch else ("input", "cached_input", "output")
+            for meter, quantity in zip(meters, (prompt - cached, cached, output), strict=True):
                 if quantity:
                     key = (org, at, dep_id or "", model, adapter or "", meter, price.id if price else "")
                     _add(rows, key, Decimal(quantity), price)

@@ -2,11 +2,13 @@
 the invoices.
 
 One event per organisation, UTC hour, model and meter (`<prefix>input_tokens`,
-`<prefix>cached_input_tokens`, `<prefix>output_tokens`, `<prefix>gpu_seconds`), read from
-the hourly rollups. Usage that turns up for an hour after it was sent goes as a further
-event for the difference. Each event is recorded `pending` (`stripe_meter_events`) before it
-is sent, with a deterministic identifier Stripe deduplicates, so a crash never changes what
-an identifier means and a resend counts once.
+`<prefix>cached_input_tokens`, `<prefix>output_tokens`, `<prefix>gpu_seconds`, and for
+requests run in a batch `<prefix>batch_input_tokens`, `<prefix>batch_cached_input_tokens`,
+`<prefix>batch_output_tokens`: meters of their own, so Stripe's prices for them carry the
+batch discount), read from the hourly rollups. Usage that turns up for an hour after it was
+sent goes as a further event for the difference. Each event is recorded `pending`
+(`stripe_meter_events`) before it is sent, with a deterministic identifier Stripe
+deduplicates, so a crash never changes what an identifier means and a resend counts once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ METER_EVENTS = {
     "input": "input_tokens",
     "cached_input": "cached_input_tokens",
     "output": "output_tokens",
+    "batch_input": "batch_input_tokens",
+    "batch_cached_input": "batch_cached_input_tokens",
+    "batch_output": "batch_output_tokens",
     "gpu_seconds": "gpu_seconds",
 }
 # Stripe takes meter events up to 35 days old; stay clear of that edge.

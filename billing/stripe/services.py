@@ -5,9 +5,10 @@
   unit, exactly the local line amounts), then finalized so Stripe collects it.
 - `meters`: usage goes to Stripe as billing meter events, one per organisation, UTC hour,
   model and meter (`<prefix>input_tokens`, `<prefix>cached_input_tokens`,
-  `<prefix>output_tokens`, `<prefix>gpu_seconds`), read from the hourly rollups; Stripe
-  prices them and writes the invoices. Usage that turns up for an hour after it was sent
-  goes as a further event for the difference.
+  `<prefix>output_tokens`, the same three prefixed `batch_` for requests run in a batch,
+  `<prefix>gpu_seconds`), read from the hourly rollups; Stripe prices them and writes the
+  invoices. Usage that turns up for an hour after it was sent goes as a further event for
+  the difference.
 
 Every organisation with a billing mode gets one Stripe customer (metadata `org_id`).
 

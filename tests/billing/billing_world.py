@@ -67,6 +67,7 @@ class World:
         user: str | None = None,
         client_request_id: str | None = None,
         service_tier: str = "default",
+        batch_id: str | None = None,
     ) -> dict[str, Any]:
         """One ledger row (as `record_usage` would write it)."""
         self.n += 1
@@ -84,6 +85,7 @@ class World:
             "user": user,
             "client_request_id": client_request_id,
             "service_tier": service_tier,
+            "batch_id": batch_id,
         }
 
 
@@ -119,7 +121,9 @@ async def add_model_price(
     cached: str,
     output: str,
     currency: str = "usd",
+    batch_discount: str | None = None,
 ) -> str:
+    """A price version; without `batch_discount`, the column's default (half price)."""
     async with sm() as s, s.begin():
         price = Price(
             model_id=model_id,
@@ -129,6 +133,8 @@ async def add_model_price(
             currency=currency,
             effective_from=at,
         )
+        if batch_discount is not None:
+            price.batch_discount = Decimal(batch_discount)
         s.add(price)
         await s.flush()
         return price.id

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 import migrations
-from billing.models import Invoice
+from billing.models import Invoice, Price
 from control_plane.audit.models import AuditEntry
 from tests.billing.billing_world import FEB, JAN, MONTH, Api, add_usage, admin_api, t
 from tokenmill.db import make_engine, utcnow
@@ -81,12 +82,14 @@ async def test_price_book_versions(api: Api) -> None:
     assert r.status_code == 201, r.text
     first = r.json()
     assert first["model"] == "small-model" and first["model_id"] == api.world.small
-    # Money as exact decimal strings; cached input defaults to the input price.
+    # Money as exact decimal strings; cached input defaults to the input price, and batch
+    # requests to half price.
     assert (first["input_per_mtok"], first["cached_input_per_mtok"], first["output_per_mtok"]) == (
         "0.1",
         "0.1",
         "0.3",
     )
+    assert first["batch_discount"] == "0.5"
     later = {**body, "input_per_mtok": "0.20", "effective_from": "2100-01-01T00:00:00Z"}
     r = await c.post("/admin/v1/prices/models", headers=api.h("platform"), json=later)
     assert r.status_code == 201, r.text
@@ -134,6 +137,13 @@ async def test_price_book_refuses_bad_input(api: Api) -> None:
         ({"currency": "u$d"}, "currency"),
         ({"effective_from": "yesterday"}, "effective_from"),
         ({"input_price": "1"}, "input_price"),  # a typo is not silently ignored
+        ({"batch_discount": "-0.1"}, "batch_discount"),
+        ({"batch_discount": "1.0001"}, "batch_discount"),
+        ({"batch_discount": 2}, "batch_discount"),
+        ({"batch_discount": "0.12345"}, "batch_discount"),  # the column keeps 4 decimals
+        ({"batch_discount": "NaN"}, "batch_discount"),
+        ({"batch_discount": "Infinity"}, "batch_discount"),
+        ({"batch_discount": "half"}, "batch_discount"),
     ):
         _error(await c.post("/admin/v1/prices/models", headers=h, json=ok | change), 400, param)
     _error(
@@ -152,6 +162,42 @@ async def test_price_book_refuses_bad_input(api: Api) -> None:
         "per_hour",
     )
     _error(await c.get("/admin/v1/prices/models", headers=h, params={"at": "soon"}), 400, "at")
+
+
+async def test_batch_discount_round_trips(api: Api) -> None:
+    """Each price version carries its batch discount, from none (0) to free (1), and lists
+    it as stored; a refused one leaves no version behind."""
+    c, h = api.client, api.h("platform")
+    # (sent, answered): a JSON number or a string, answered without trailing zeros.
+    for year, (discount, answer) in enumerate((("0", "0"), ("0.25", "0.25"), (1, "1"), ("0.3750", "0.375"))):
+        body = {
+            "model": "big-model",
+            "input_per_mtok": "2",
+            "output_per_mtok": "8",
+            "batch_discount": discount,
+            "effective_from": f"{2030 + year}-01-01T00:00:00Z",
+        }
+        r = await c.post("/admin/v1/prices/models", headers=h, json=body)
+        assert r.status_code == 201, r.text
+        assert r.json()["batch_discount"] == answer
+    r = await c.get("/admin/v1/prices/models", headers=api.h("admin_a"), params={"model": "big-model"})
+    assert [p["batch_discount"] for p in r.json()] == ["0", "0.25", "1", "0.375"]
+    r = await c.get("/admin/v1/prices/models", headers=h, params={"model": "big-model", "at": "2031-06-01"})
+    assert [(p["input_per_mtok"], p["batch_discount"]) for p in r.json()] == [("2", "0.25")]
+    async with api.sm() as s:
+        stored = list(
+            await s.scalars(
+                select(Price.batch_discount)
+                .where(Price.model_id == api.world.big)
+                .order_by(Price.effective_from)
+            )
+        )
+    assert stored == [Decimal("0"), Decimal("0.25"), Decimal("1"), Decimal("0.375")]
+    bad = {"model": "big-model", "input_per_mtok": "2", "output_per_mtok": "8", "batch_discount": "1.5"}
+    err = _error(await c.post("/admin/v1/prices/models", headers=h, json=bad), 400, "batch_discount")
+    assert "between 0 and 1" in str(err["message"])
+    async with api.sm() as s:
+        assert len(list(await s.scalars(select(Price.id).where(Price.model_id == api.world.big)))) == 4
 
 
 async def test_invoices_through_the_api(api: Api) -> None:

@@ -154,6 +154,54 @@ async def test_csv_and_json_of_each_export(api: Api) -> None:
     assert all(isinstance(x["amount"], str) for x in one["lines"])  # exact decimals, not floats
 
 
+async def test_exports_tell_batch_usage_apart(api: Api) -> None:
+    """The usage export names each request's batch (none for online requests); the rollups
+    and invoices exports carry the batch meters at the discounted price."""
+    c, w, sm = api.client, api.world, api.sm
+    await add_model_price(sm, w.small, JAN, "0.15", "0.075", "0.6")
+    await add_usage(
+        sm,
+        [
+            w.usage(w.org_a, w.small_dep, t(3, 4), 1_000_000, 0, 0, model="small-model"),
+            w.usage(
+                w.org_a, w.small_dep, t(3, 5), 600_000, 0, 100_000, model="small-model", batch_id="batch_x1"
+            ),
+        ],
+    )
+    await rollup_hours(sm, JAN, FEB)
+    await build_invoices(sm, MONTH)
+    span = {"from": "2025-01", "to": "2025-02"}
+    r = await c.get("/admin/v1/exports/usage", headers=api.h("admin_a"), params=span)
+    assert r.status_code == 200, r.text
+    assert r.text.splitlines()[0].split(",") == list(USAGE_COLUMNS) and USAGE_COLUMNS[-1] == "batch_id"
+    assert [(u["prompt_tokens"], u["batch_id"]) for u in _csv(r.text)] == [
+        ("1000000", ""),
+        ("600000", "batch_x1"),
+    ]
+    r = await c.get("/admin/v1/exports/usage", headers=api.h("admin_a"), params=span | {"format": "json"})
+    assert [(u["prompt_tokens"], u["batch_id"]) for u in r.json()] == [
+        (1_000_000, None),
+        (600_000, "batch_x1"),
+    ]
+
+    r = await c.get("/admin/v1/exports/rollups", headers=api.h("admin_a"), params=span)
+    assert sorted((x["meter"], x["quantity"], x["unit_price"], x["amount"]) for x in _csv(r.text)) == [
+        ("batch_input", "600000", "0.075", "0.045"),
+        ("batch_output", "100000", "0.3", "0.03"),
+        ("input", "1000000", "0.15", "0.15"),
+    ]
+    r = await c.get("/admin/v1/exports/invoices", headers=api.h("admin_a"), params=span | {"format": "json"})
+    (invoice,) = r.json()
+    # 0.045 -> 0.04 (half-even)
+    assert [(x["meter"], x["amount"]) for x in invoice["lines"]] == [
+        ("input", "0.15"),
+        ("batch_input", "0.04"),
+        ("batch_output", "0.03"),
+    ]
+    assert invoice["total"] == "0.22"
+    assert invoice["lines"][1]["description"] == "small-model: batch input tokens at 0.075 usd per 1M tokens"
+
+
 async def test_exports_are_confined_to_the_callers_tenant(api: Api) -> None:
     c, w = api.client, api.world
     await _month(api)

@@ -20,6 +20,8 @@ from billing.common import cents, month_bounds
 from billing.invoices.services import finalize_invoice
 from billing.jobs import build_invoices, finalize_invoices, rollup_hours
 from billing.models import Invoice, UsageEvent
+from billing.prices.services import Rates, batch_price, model_rates
+from billing.rollups.services import spend_since
 from control_plane.catalog.lifetimes import WorkerLifetimes
 from control_plane.catalog.models import Deployment, Worker
 from tests.billing.billing_world import (
@@ -374,3 +376,95 @@ async def test_one_invoice_per_currency_and_gone_drafts_are_removed(
     async with sm() as s:
         left = [(i.org_id, i.currency) for i in await s.scalars(select(Invoice))]
     assert left == [(w.org_a, "usd")]
+
+
+# --- batch requests (/v1/batches) -------------------------------------------------------
+
+
+def test_batch_unit_price_is_the_discounted_price_to_the_billionth() -> None:
+    """The batch price is what an invoice line shows and multiplies: the token price less
+    the discount, rounded half-even to the precision of prices. Budgets charge the same."""
+    assert batch_price(Decimal("0.15"), Decimal("0.5")) == Decimal("0.075")
+    assert batch_price(Decimal("3"), Decimal("0.25")) == Decimal("2.25")
+    assert batch_price(Decimal("0.123456789"), Decimal("0.25")) == Decimal("0.092592592")  # ..5917|5
+    assert batch_price(Decimal("0.000000001"), Decimal("0.5")) == Decimal(0)  # half: to even
+    assert batch_price(Decimal("0.000000003"), Decimal("0.5")) == Decimal("0.000000002")
+    assert batch_price(Decimal("7"), Decimal(1)) == 0 and batch_price(Decimal("7"), Decimal(0)) == 7
+    rates = Rates(Decimal("0.15"), Decimal("0.075"), Decimal("0.6"), "usd", Decimal("0.5"))
+    # 800k x 0.075 + 200k x 0.0375 + 500k x 0.3, per million
+    assert rates.cost(1_000_000, 200_000, 500_000, batch=True) == Decimal("0.2175")
+    assert rates.cost(1_000_000, 200_000, 500_000) == Decimal("0.435")
+    assert rates.worst_case(1000, 100, batch=True) * 2 == rates.worst_case(1000, 100)
+    assert Rates().cost(10**6, 0, 10**6, batch=True) == 0
+
+
+async def test_batch_usage_has_its_own_lines_at_the_discount(
+    migrated_db: async_sessionmaker[AsyncSession], world: World
+) -> None:
+    """Org A used each model online and in batches: the batch tokens are lines of their own
+    at the discounted unit price (half by default, a quarter off where the price says so),
+    each rounded half-even to the cent once, beside unchanged online lines."""
+    w, sm = world, migrated_db
+    await add_model_price(sm, w.small, JAN, "0.15", "0.075", "0.6")  # batch: half off by default
+    await add_model_price(sm, w.big, JAN, "2", "1", "8", batch_discount="0.25")
+    await add_usage(
+        sm,
+        [
+            w.usage(w.org_a, w.small_dep, t(3, 4), 1_000_000, 200_000, 500_000),
+            # Two batches in two hours and a day apart: one line per meter, rounded once.
+            w.usage(w.org_a, w.small_dep, t(3, 4), 600_000, 300_000, 100_000, batch_id="batch_1"),
+            w.usage(w.org_a, w.small_dep, t(4, 9), 400_000, 100_000, 50_000, batch_id="batch_2"),
+            w.usage(w.org_a, w.big_dep, t(5, 1), 50_000, 20_000, 27_500, batch_id="batch_3"),
+            w.usage(w.org_a, w.big_dep, t(5, 1), 1_000_000, 0, 0),
+            # Org B's batch on the dedicated deployment: paid by GPU time, never per token.
+            w.usage(w.org_b, w.dedicated, t(6), 10**6, 0, 10**6, batch_id="batch_4"),
+        ],
+    )
+    await _close(sm)
+    invoice = (await _invoices(sm))[w.org_a]
+    got = [(x.meter, x.model, x.quantity, x.unit_price, x.amount) for x in invoice.lines]
+    assert got == [
+        ("input", "big-model", Decimal(1_000_000), Decimal(2), Decimal("2.00")),
+        # 30,000 x 1.50 = 0.045 -> 0.04 (half-even; half-up would say 0.05)
+        ("batch_input", "big-model", Decimal(30_000), Decimal("1.5"), Decimal("0.04")),
+        # 20,000 x 0.75 = 0.015 -> 0.02
+        ("batch_cached_input", "big-model", Decimal(20_000), Decimal("0.75"), Decimal("0.02")),
+        # 27,500 x 6 = 0.165 -> 0.16 (half-even; half-up would say 0.17)
+        ("batch_output", "big-model", Decimal(27_500), Decimal(6), Decimal("0.16")),
+        # Online: 800k x 0.15 = 0.12; 200k x 0.075 = 0.015 -> 0.02; 500k x 0.6 = 0.30
+        ("input", "small-model", Decimal(800_000), Decimal("0.15"), Decimal("0.12")),
+        ("cached_input", "small-model", Decimal(200_000), Decimal("0.075"), Decimal("0.02")),
+        ("output", "small-model", Decimal(500_000), Decimal("0.6"), Decimal("0.30")),
+        # Batch, exactly half, both batches on one line: 600k x 0.075 = 0.045 -> 0.04;
+        # 400k x 0.0375 = 0.015 -> 0.02; 150k x 0.30 = 0.045 -> 0.04
+        ("batch_input", "small-model", Decimal(600_000), Decimal("0.075"), Decimal("0.04")),
+        ("batch_cached_input", "small-model", Decimal(400_000), Decimal("0.0375"), Decimal("0.02")),
+        ("batch_output", "small-model", Decimal(150_000), Decimal("0.3"), Decimal("0.04")),
+    ]
+    assert invoice.total == invoice.subtotal == Decimal("2.76")
+    assert [x.description for x in invoice.lines if x.model == "small-model"][3:] == [
+        "small-model: batch input tokens at 0.075 usd per 1M tokens",
+        "small-model: batch cached input tokens at 0.0375 usd per 1M tokens",
+        "small-model: batch output tokens at 0.3 usd per 1M tokens",
+    ]
+    # The dedicated deployment has no GPU price here, and its tokens are free: no invoice.
+    assert w.org_b not in await _invoices(sm)
+
+    # The stored unit prices are exactly the computed ones: a rerun writes nothing.
+    again = await rollup_hours(sm, JAN, FEB)
+    assert (again.inserted, again.updated, again.deleted) == (0, 0, 0)
+    # Budgets (spend_since) and the settled charge (Rates.cost) agree with the rollups.
+    async with sm() as s:
+        spent = await spend_since(s, w.org_a, JAN)
+        small, big = await model_rates(s, w.small, t(3)), await model_rates(s, w.big, t(3))
+        ledger = await s.scalars(select(UsageEvent).where(UsageEvent.org_id == w.org_a))
+        charged = sum(
+            (
+                (small if e.deployment_id == w.small_dep else big).cost(
+                    e.prompt_tokens, e.cached_tokens, e.completion_tokens, batch=e.batch_id is not None
+                )
+                for e in ledger
+            ),
+            Decimal(0),
+        )
+    assert spent == charged == Decimal("2.765")  # unrounded: 2.435 online + 0.33 batch

@@ -79,3 +79,40 @@ async def test_ledger_stores_the_request_context(migrated_db: async_sessionmaker
     finally:
         await consumer.stop()
         await bus.close()
+
+
+async def test_ledger_keeps_the_batch_id(migrated_db: async_sessionmaker[AsyncSession]) -> None:
+    """A request run as a line of a batch names its batch in the ledger (which prices it at
+    the batch discount); others, and events from gateways that predate batches, name none."""
+    bus = MemoryBus()
+    consumer = UsageConsumer(bus, migrated_db, "c1")
+    await consumer.start()
+    try:
+        batch_id = "batch_" + "f" * 58  # as long as the column allows
+        await bus.publish(
+            USAGE, UsageRecord(request_id="req_line", org_id="org_a", model="m", batch_id=batch_id)
+        )
+        await bus.publish(USAGE, UsageRecord(request_id="req_online", org_id="org_a", model="m"))
+        await bus.publish(USAGE, {"request_id": "req_old", "org_id": "org_a", "model": "m"})
+        for _ in range(100):
+            async with migrated_db() as s:
+                rows = (await s.execute(select(UsageEvent).order_by(UsageEvent.request_id))).scalars().all()
+            if len(rows) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert {r.request_id: r.batch_id for r in rows} == {
+            "req_line": batch_id,
+            "req_old": None,
+            "req_online": None,
+        }
+    finally:
+        await consumer.stop()
+        await bus.close()
+    # Redelivered with the batch: still one row, still its batch.
+    async with migrated_db() as s, s.begin():
+        again = UsageRecord(request_id="req_line", org_id="org_a", model="m", batch_id=batch_id)
+        assert await record_usage(s, [again]) == 0
+    async with migrated_db() as s:
+        assert (
+            await s.scalar(select(UsageEvent.batch_id).where(UsageEvent.request_id == "req_line")) == batch_id
+        )

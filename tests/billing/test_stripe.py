@@ -338,13 +338,15 @@ def expected_meters(w: World, rows: list[dict[str, Any]], org_id: str) -> dict[t
             continue
         hour = int(r["created_at"].replace(minute=0, second=0, microsecond=0).timestamp())
         model = "small-model" if r["deployment_id"] == w.small_dep else "big-model"
+        # Requests run in a batch go on the batch meters.
+        prefix = "tokenmill_batch_" if r.get("batch_id") else "tokenmill_"
         for name, value in (
-            ("tokenmill_input_tokens", r["prompt_tokens"] - r["cached_tokens"]),
-            ("tokenmill_cached_input_tokens", r["cached_tokens"]),
-            ("tokenmill_output_tokens", r["completion_tokens"]),
+            ("input_tokens", r["prompt_tokens"] - r["cached_tokens"]),
+            ("cached_input_tokens", r["cached_tokens"]),
+            ("output_tokens", r["completion_tokens"]),
         ):
             if value:
-                out[hour, model, name] += value
+                out[hour, model, prefix + name] += value
     if org_id == w.org_a:  # the dedicated worker: 01:30-03:45 on January 4th
         for hour, seconds in ((1, 1800), (2, 3600), (3, 2700)):
             out[int(t(4, hour).timestamp()), "big-model", "tokenmill_gpu_seconds"] += seconds
@@ -470,6 +472,97 @@ async def test_switching_modes_never_bills_a_period_twice(
     # Org B's January is on a Stripe invoice: its hours are not metered.
     assert stripe_meters(fake, b) == {}
     assert stripe_meters(fake) == metered and fake.invoices.keys() == invoiced.keys()
+
+
+def batch_rows(w: World) -> list[dict[str, Any]]:
+    """Org A's batches: one sharing an hour (and model) with its online requests, one in an
+    hour of its own, one on the dedicated deployment (paid by GPU time, never per token)."""
+    return [
+        w.usage(
+            w.org_a, w.small_dep, t(3, 0, 30), prompt=10**6, cached=400_000, output=50_000, batch_id="batch_1"
+        ),
+        w.usage(w.org_a, w.small_dep, t(3, 0, 40), prompt=20, output=3, batch_id="batch_1"),
+        w.usage(w.org_a, w.small_dep, t(7, 5), prompt=300, output=70, batch_id="batch_2"),
+        w.usage(w.org_a, w.dedicated, t(4, 2, 20), prompt=500, output=5, batch_id="batch_3"),
+    ]
+
+
+async def test_meters_mode_sends_batch_usage_on_batch_meters(
+    migrated_db: Sessions,
+    world: tuple[World, list[dict[str, Any]]],
+    fake: FakeStripe,
+    client: stripe.StripeClient,
+) -> None:
+    sm, (w, rows) = migrated_db, world
+    batches = batch_rows(w)
+    await add_usage(sm, batches)
+    await set_mode(sm, w.org_a, "meters")
+    await rollup_hours(sm, JAN, FEB)
+    await ensure_customers(sm, client)
+    assert await send_meter_events(sm, client, now=NOW) > 0
+    sent = stripe_meters(fake)
+    assert sent == expected_meters(w, rows + batches, w.org_a)
+    # The hour org A used both ways: online and batch tokens on meters of their own.
+    hour = int(t(3, 0).timestamp())
+    assert {k[2]: v for k, v in sent.items() if k[0] == hour} == {
+        "tokenmill_input_tokens": Decimal(800),
+        "tokenmill_cached_input_tokens": Decimal(200),
+        "tokenmill_output_tokens": Decimal(321),
+        "tokenmill_batch_input_tokens": Decimal(600_020),
+        "tokenmill_batch_cached_input_tokens": Decimal(400_000),
+        "tokenmill_batch_output_tokens": Decimal(50_003),
+    }
+    assert {k[2]: v for k, v in sent.items() if k[0] == int(t(7, 5).timestamp())} == {
+        "tokenmill_batch_input_tokens": Decimal(300),
+        "tokenmill_batch_output_tokens": Decimal(70),
+    }
+    identifiers = [c.params["identifier"] for c in fake.created("POST", METER_EVENTS)]
+    assert len(identifiers) == len(set(identifiers))
+    assert any("-batch_cached_input-" in i for i in identifiers)
+    async with sm() as s:
+        local = {e.meter for e in await s.scalars(select(StripeMeterEvent))}
+    assert local == {"input", "cached_input", "output", "gpu_seconds"} | {
+        "batch_input",
+        "batch_cached_input",
+        "batch_output",
+    }
+    assert await send_meter_events(sm, client, now=NOW) == 0  # a rerun sends nothing
+
+
+async def test_invoices_mode_mirrors_batch_lines_as_items(
+    migrated_db: Sessions,
+    world: tuple[World, list[dict[str, Any]]],
+    fake: FakeStripe,
+    client: stripe.StripeClient,
+) -> None:
+    sm, (w, _) = migrated_db, world
+    await add_usage(sm, batch_rows(w))
+    await set_mode(sm, w.org_a, "invoices")
+    await rollup_hours(sm, JAN, FEB)
+    await finalize_invoices(sm, MONTH)
+    await ensure_customers(sm, client)
+    assert await sync_invoices(sm, client) == 1
+    local = await invoice_of(sm, w.org_a)
+    batch = [line for line in local.lines if line.meter.startswith("batch_")]
+    # Half the small model's prices (0.15, 0.075, 0.6): 600,320 x 0.075 = 0.045024 -> 0.05;
+    # 400,000 x 0.0375 = 0.015 -> 0.02; 50,073 x 0.3 = 0.0150219 -> 0.02.
+    assert [(x.meter, x.quantity, x.unit_price, x.amount) for x in batch] == [
+        ("batch_input", Decimal(600_320), Decimal("0.075"), Decimal("0.05")),
+        ("batch_cached_input", Decimal(400_000), Decimal("0.0375"), Decimal("0.02")),
+        ("batch_output", Decimal(50_073), Decimal("0.3"), Decimal("0.02")),
+    ]
+    items = {c.params["metadata"]["tokenmill_line_id"]: c.params for c in fake.created("POST", ITEMS)}
+    assert sorted(items) == sorted(str(line.id) for line in local.lines)
+    for line in batch:
+        item = items[str(line.id)]
+        assert (item["metadata"]["meter"], item["description"], int(item["amount"])) == (
+            line.meter,
+            line.description,
+            minor_units(line.amount, "usd"),
+        )
+        assert "batch" in item["description"]
+    remote = fake.invoices[(await sync_row(sm, local.id)).stripe_invoice_id]  # type: ignore[union-attr]
+    assert remote["total"] == minor_units(local.total, "usd")
 
 
 def test_amounts_in_the_smallest_currency_unit() -> None:
