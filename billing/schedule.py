@@ -200,6 +200,38 @@ async def purge_responses(ctx: JobContext, now: datetime) -> dict[str, int]:
     return {"purged": await purge_expired_responses(ctx.sessionmaker, now)}
 
 
+# A Celery task's share of batch running: the runner lets its batch go after this, for the task
+# beat sends next (any worker's), so no task outlives the job time limit and a deploy never
+# waits long for one. Beat sends one every BATCH_TICK; several run at once on several batches.
+BATCH_SHARE = 300.0
+BATCH_TICK = 10.0
+
+
+async def run_batches(ctx: JobContext, now: datetime) -> dict[str, Any]:
+    """Run `/v1/batches` batches for a while (billing/batches.py): production's batch runner,
+    sending lines to the gateway at TOKENMILL_GATEWAY_URL. `tokenmill serve` runs its own."""
+    from billing.batches import BatchRunner
+    from control_plane.batches.services import batch_service
+    from tokenmill.bus import make_bus
+
+    settings = ctx.settings
+    if not settings.gateway_url or not settings.internal_token:
+        return {"skipped": "TOKENMILL_GATEWAY_URL and TOKENMILL_INTERNAL_TOKEN are needed to run batches"}
+    bus = make_bus(settings)  # the workers' heartbeats, to pace by
+    try:
+        runner = BatchRunner(
+            batch_service(settings, ctx.sessionmaker, open_storage(settings)),
+            gateway_url=settings.gateway_url,
+            token=settings.internal_token,
+            bus=bus,
+            concurrency=settings.batch_concurrency,
+        )
+        share = min(BATCH_SHARE, settings.job_time_limit_seconds - 120.0)
+        return {"batches": await runner.run_for(share)}
+    finally:
+        await bus.close()
+
+
 async def export_to_storage(
     ctx: JobContext,
     now: datetime,
@@ -240,6 +272,8 @@ def jobs(settings: Settings) -> list[Job]:
         # Not billing's own job, but this is the one schedule (control_plane/responses owns the table).
         Job("purge_responses", Every(3600.0), purge_responses, expires=3600),
     ]
+    if settings.gateway_url:  # production's batch runner; `serve` starts its own (tokenmill/app.py)
+        found.append(Job("run_batches", Every(BATCH_TICK), run_batches, expires=BATCH_TICK))
     if settings.stripe_sync_minutes > 0:  # does nothing without TOKENMILL_STRIPE_API_KEY
         interval = settings.stripe_sync_minutes * 60.0
         found.append(Job("stripe_sync", Every(interval), stripe_sync_job, expires=interval))

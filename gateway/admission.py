@@ -78,6 +78,7 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     budget: int | None = None  # the soft budget in nano-units, to warn when crossed
     settled: bool = False
+    batch: bool = False  # a batch's line: charged at the batch discount
 
 
 class Admitter:
@@ -172,13 +173,13 @@ class Admitter:
             hold = Hold(
                 budget_key,
                 request_id,
-                units(rates.worst_case(prompt_tokens, max_tokens)),
+                units(rates.worst_case(prompt_tokens, max_tokens, batch=caller.batch)),
                 units(q.budget) if q.hard_budget else None,
                 HOLD_TTL,
             )
         limits = [lim for lim, _, _ in tokens]
         if not (limits or slots or hold):
-            return Ticket(caller.org_id, request_id, cost, [], [], rates, None)
+            return Ticket(caller.org_id, request_id, cost, [], [], rates, None, batch=caller.batch)
         try:
             result = await self.limiter.admit(limits, slots, hold)
             if not result.seeded and hold is not None:
@@ -192,7 +193,7 @@ class Admitter:
                     503, "Cannot check the budget right now; please retry.", code="limiter_unavailable"
                 ) from exc
             log.warning("rate limiter unavailable, admitting %s unchecked: %s", request_id, exc)
-            return Ticket(caller.org_id, request_id, 0, [], [], rates, None)
+            return Ticket(caller.org_id, request_id, 0, [], [], rates, None, batch=caller.batch)
         headers = _headers(result, [], tokens)
         if not result.allowed:
             raise _refusal(result, [], tokens, slots, headers)
@@ -207,6 +208,7 @@ class Admitter:
             budget_key,
             headers,
             soft,
+            batch=caller.batch,
         )
 
     async def settle(self, ticket: Ticket, prompt: int, cached: int, completion: int) -> None:
@@ -221,7 +223,7 @@ class Admitter:
             hold = (
                 ticket.budget_key,
                 ticket.request_id,
-                units(ticket.rates.cost(prompt, cached, completion)),
+                units(ticket.rates.cost(prompt, cached, completion, batch=ticket.batch)),
             )
         try:
             # One round trip: the refunds, the slots and the hold together.

@@ -47,6 +47,10 @@ OpenAIBody: TypeAlias = Annotated[
 ]
 
 
+# What a batch's lines may call (`X-Tokenmill-Batch`); anywhere else the header means nothing.
+BATCH_LINE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
 async def require_api_key(request: Request) -> None:
     """Runs before the body is parsed, so a bad key is a 401 whatever the body. A
     `before_request` hook rather than a guard: Litestar copies the route handler for every
@@ -55,14 +59,30 @@ async def require_api_key(request: Request) -> None:
     An address that failed too often gets 429 before its key is looked at (no database
     read, whatever key it sends now), so guessing keys or flooding made-up ones is slow.
     A caller's `X-Client-Request-Id` is checked once the key is known good (400 if OpenAI
-    would refuse it)."""
+    would refuse it). A batch runner's line (`X-Tokenmill-Batch`, with the internal token)
+    runs as the key that created the batch (`gateway/batch_lines.py`)."""
     from tokenmill.clients import auth_failures
 
-    request_id(request)  # minted first: whatever happens next, errors included, sees this id
     gateway: Gateway = request.app.state.gateway
+    batch = request.headers.get("x-tokenmill-batch")
+    if batch is not None and request.scope["path"] in BATCH_LINE_PATHS:
+        # A line of a batch, from the batch runner: its request id is the line's own. Only a
+        # wrong runner token counts as a failed authentication: a 401 past it (the batch's key
+        # revoked since) is no guess, and must not throttle the runner's address for every batch.
+        authorization = request.headers.get("authorization")
+        with auth_failures(request):
+            gateway.batch_lines.check_runner(authorization)
+        caller, rid = await gateway.batch_lines.authenticate(
+            authorization, batch, request.headers.get("x-tokenmill-batch-line")
+        )
+        request.state.request_id = rid
+        request.state.caller, request.state.batch_id, request.state.client_request_id = caller, batch, None
+        return
+    request_id(request)  # minted first: whatever happens next, errors included, sees this id
     with auth_failures(request):
         request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
     # Kept for the usage event of the request (`Gateway.admit`).
+    request.state.batch_id = None
     request.state.client_request_id = client_request_id(request.headers.get("x-client-request-id"))
 
 
@@ -248,7 +268,11 @@ class OpenAIController(Controller):
     ) -> Response[EmbeddingList]:
         gateway = _gateway(request)
         admitted = await gateway.admit(
-            _caller(request), request_id(request), data, client_request_id=request.state.client_request_id
+            _caller(request),
+            request_id(request),
+            data,
+            client_request_id=request.state.client_request_id,
+            batch_id=request.state.batch_id,
         )
         try:
             result = await gateway.embed(admitted)
@@ -262,7 +286,11 @@ class OpenAIController(Controller):
 async def _generate(request: Request, data: ChatCompletionRequest | CompletionRequest) -> Response:
     gateway = _gateway(request)
     admitted = await gateway.admit(
-        _caller(request), request_id(request), data, client_request_id=request.state.client_request_id
+        _caller(request),
+        request_id(request),
+        data,
+        client_request_id=request.state.client_request_id,
+        batch_id=request.state.batch_id,
     )
     # `respond` starts the stream at once: from then on, however the request ends, the
     # stream's end gives back its limits and meters it.

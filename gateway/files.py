@@ -36,6 +36,7 @@ from control_plane.files.services import (
     FileService,
     check_filename,
     check_upload_purpose,
+    file_service,
     too_large,
 )
 from gateway.controllers import OpenAIController, require_api_key
@@ -115,13 +116,7 @@ def _upload_operation() -> type[Operation]:
 
 def _files(request: Request) -> FileService:
     gateway = request.app.state.gateway
-    settings = gateway.settings
-    return FileService(
-        gateway.sessionmaker,
-        request.app.state.storage,
-        max_bytes=settings.max_file_bytes,
-        max_lines=settings.max_file_lines,
-    )
+    return file_service(gateway.settings, gateway.sessionmaker, request.app.state.storage)
 
 
 def _caller(request: Request) -> Caller:

@@ -21,19 +21,20 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from control_plane.orgs.keys import check_key, find_key
+from control_plane.orgs.keys import check_key, find_key, find_key_by_id
 from control_plane.orgs.models import ApiKey, Organization
 from control_plane.plans.models import Plan
 from control_plane.policy import check_serving
 from tokenmill import security
 from tokenmill.bus import EventBus
+from tokenmill.db import utcnow
 from tokenmill.errors import APIError
 from tokenmill.protocol import KEYS, KeysChanged
 from tokenmill.settings import Settings
@@ -72,6 +73,9 @@ class Caller:
     scopes: tuple[str, ...] | None
     cache_salt: str
     quota: Quota = Quota()
+    # A batch runner's line (`KeyCache.batch_caller`): its tokens are priced at the batch
+    # discount, so its budget hold and charge are too.
+    batch: bool = False
 
     def may_use(self, model: str) -> bool:
         return self.scopes is None or model in self.scopes
@@ -154,6 +158,9 @@ class KeyCache(Background):
         if ev.prefix is not None:
             self._entries.pop(ev.prefix, None)
             self._misses.pop(ev.prefix, None)  # a key just created is no longer unknown
+            # The same key's record looked up by id for a batch (`batch_caller`).
+            for cached in [p for p, e in self._entries.items() if e.key and e.key.prefix == ev.prefix]:
+                del self._entries[cached]
         if ev.org_id is not None:
             for prefix in [p for p, e in self._entries.items() if e.org and e.org.id == ev.org_id]:
                 del self._entries[prefix]
@@ -173,6 +180,25 @@ class KeyCache(Background):
         assert entry is not None and entry.org is not None and entry.caller is not None
         check_serving(entry.org)
         return entry.caller
+
+    async def batch_caller(self, key_id: str | None, org_id: str) -> Caller:
+        """Whose request a batch line is: the key that created the batch, with its budget but
+        none of its per-minute or concurrency limits (a batch must not lock its organisation
+        out of interactive calls; the runner paces itself). A key revoked or expired since
+        stops its batches' lines (401), as a suspended organisation does (403)."""
+        entry = await self._entry(f"id:{key_id}") if key_id is not None else _NO_KEY
+        key, org = entry.key, entry.org
+        if key is None or org is None or entry.caller is None or org.id != org_id:
+            raise APIError(
+                401, "The API key that created this batch no longer exists.", code="invalid_api_key"
+            )
+        if key.revoked_at is not None or (key.expires_at is not None and key.expires_at <= utcnow()):
+            raise APIError(
+                401, "The API key that created this batch was revoked or has expired.", code="invalid_api_key"
+            )
+        check_serving(org)
+        q = entry.caller.quota
+        return replace(entry.caller, quota=Quota(budget=q.budget, hard_budget=q.hard_budget), batch=True)
 
     def held(self) -> tuple[int, int]:
         """(known keys, remembered unknown keys) in memory now."""
@@ -198,7 +224,9 @@ class KeyCache(Background):
     async def _load(self, prefix: str) -> _Entry:
         generation = self._generation
         async with self.sessionmaker() as session:
-            found = await find_key(session, prefix)
+            # `id:<key id>`: a batch's key, looked up by id (`batch_caller`).
+            by_id = prefix.startswith("id:")
+            found = await (find_key_by_id(session, prefix[3:]) if by_id else find_key(session, prefix))
         now = time.monotonic()
         if found is None:
             if generation == self._generation:

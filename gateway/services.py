@@ -19,6 +19,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission import Admitter, Ticket
+from gateway.batch_lines import BatchLines
 from gateway.catalog import Catalog, Target
 from gateway.embeddings import check_dimensions
 from gateway.fleet import FleetView, WorkerState
@@ -73,11 +74,12 @@ class Admitted:
     user: str | None = None
     client_request_id: str | None = None
     service_tier: ServiceTier = "default"
+    batch_id: str | None = None  # the batch (/v1/batches) this request is a line of
 
     @property
     def priority(self) -> int:
-        """The engine's priority class this request runs at (`GenerateRequest.priority`)."""
-        return TIER_PRIORITY[self.service_tier]
+        """The engine's priority class it runs at: a batch's line, as flex, behind the rest."""
+        return TIER_PRIORITY["flex" if self.batch_id is not None else self.service_tier]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -113,6 +115,7 @@ class Gateway:
             "content-type": "application/json",
         }
         self.catalog = Catalog(settings, sessionmaker)
+        self.batch_lines = BatchLines(settings, sessionmaker, keys)
         self._delta = msgspec.json.Decoder(GenerateDelta)
         self._embedded = msgspec.json.Decoder(EmbedResponse)
 
@@ -130,12 +133,13 @@ class Gateway:
         body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
         *,
         client_request_id: str | None = None,
+        batch_id: str | None = None,
     ) -> Admitted:
         """Count the request, then resolve its model, prepare its prompt and admit its tokens;
         raises APIError (with the `x-ratelimit-*` headers known so far) when it may not run.
         What this returns holds limits and a budget hold: serve it with `stream` or `embed`,
         which give them back however the request ends. `client_request_id` (the caller's
-        X-Client-Request-Id) is only recorded."""
+        X-Client-Request-Id) and `batch_id` (`BatchLines.authenticate`) are only recorded."""
         headers = await self.admitter.count(caller, request_id)
         try:
             admitted = await self._prepare(caller, request_id, body)
@@ -144,6 +148,7 @@ class Gateway:
             raise
         admitted.ticket.headers = {**headers, **admitted.ticket.headers}
         admitted.client_request_id = client_request_id
+        admitted.batch_id = batch_id
         return admitted
 
     async def _prepare(
@@ -227,9 +232,9 @@ class Gateway:
         fails after that fails the request.
 
         Exactly one usage event is published however this ends (finish, error, client
-        gone), with the tokens of all its sequences, and the limits and budget hold are
-        settled. Whoever admitted the request must start this generator at once (`respond`
-        does): its `finally` is what settles.
+        gone; a batch's line only if answered: `_finish`), with the tokens of all its
+        sequences, and the limits and budget hold are settled. Whoever admitted the request
+        must start this generator at once (`respond` does): its `finally` is what settles.
         """
         caller, target, prompts, n = admitted.caller, admitted.target, admitted.prompts, admitted.choices.n
         assert prompts
@@ -239,6 +244,7 @@ class Gateway:
         # Only what workers report is billed: a request no worker took costs nothing.
         lasts: dict[int, GenerateDelta] = {}
         status = "error"
+        answered = False
         try:
             # Each prompt's chained block hashes, salted per organisation (and adapter) exactly
             # as the engine salts them, so the router can find the worker that holds its prefix.
@@ -256,11 +262,14 @@ class Gateway:
                     yield item
             ends = (lasts[i].finish_reason for i in sorted(lasts))
             status = next((e for e in ends if e in ("error", "abort")), "ok")
+            answered = True
         except (GeneratorExit, asyncio.CancelledError):
             status = "cancelled"
             raise
         finally:
-            await self._finish(admitted, total(lasts, n), status, ttft, time.monotonic() - started)
+            await self._finish(
+                admitted, total(lasts, n), status, ttft, time.monotonic() - started, answered=answered
+            )
 
     async def _sequence(
         self, admitted: Admitted, index: int, hashes: list[str], deadline: float
@@ -362,7 +371,9 @@ class Gateway:
             status = "cancelled"
             raise
         finally:
-            await self._finish(admitted, done, status, None, time.monotonic() - started)
+            await self._finish(
+                admitted, done, status, None, time.monotonic() - started, answered=status == "ok"
+            )
 
     async def _worker(
         self, target: Target, request_id: str, tried: set[str], hashes: list[str]
@@ -396,8 +407,16 @@ class Gateway:
                 yield self._delta.decode(line)
 
     async def _finish(
-        self, admitted: Admitted, last: GenerateDelta, status: str, ttft: float | None, duration: float
+        self,
+        admitted: Admitted,
+        last: GenerateDelta,
+        status: str,
+        ttft: float | None,
+        duration: float,
+        *,
+        answered: bool,
     ) -> None:
+        """Settle the limits and budget hold, publish the usage event (`answered`: no error)."""
         ticket, caller, target = admitted.ticket, admitted.caller, admitted.target
         record = UsageRecord(
             request_id=ticket.request_id,
@@ -416,10 +435,16 @@ class Gateway:
             user=admitted.user,
             client_request_id=admitted.client_request_id,
             service_tier=admitted.service_tier,
+            batch_id=admitted.batch_id,
         )
         # Both at once (on Redis they go out in one write), shielded: a cancelled request
         # (client gone) must still settle and be metered.
         settle = self.admitter.settle(ticket, last.prompt_tokens, last.cached_tokens, last.completion_tokens)
+        if admitted.batch_id is not None and not answered:
+            # A batch's line is sent again, under the same request id, until it is answered: the
+            # ledger keeps a request id's first event, which must be the answered run's.
+            await asyncio.shield(settle)
+            return
         await asyncio.shield(asyncio.gather(settle, self._publish(record)))
 
     async def _publish(self, record: UsageRecord) -> None:

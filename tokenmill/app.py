@@ -67,6 +67,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
 
     if parts.gateway:
         from gateway.admission import Admitter
+        from gateway.batches import BatchesController
         from gateway.controllers import OpenAIController, stamp_request_ids
         from gateway.files import FilesController
         from gateway.fleet import FleetView
@@ -137,7 +138,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         handlers.append(
             Router(
                 "/",
-                route_handlers=[OpenAIController, ResponsesController, FilesController],
+                route_handlers=[OpenAIController, ResponsesController, FilesController, BatchesController],
                 request_max_body_size=settings.max_request_bytes,
             )
         )
@@ -179,6 +180,24 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         )
         services.append(scheduler)
         state["scheduler"] = scheduler
+        if parts.gateway:
+            from billing.batches import BatchRunner
+            from control_plane.batches.services import batch_service
+
+            assert settings.internal_token
+            # The batches' lines go to this server's own gateway. The runner's name is this
+            # server's (host and home), so after a restart it takes its batches back at once
+            # rather than waiting out its own lease.
+            runner = BatchRunner(
+                batch_service(settings, sessionmaker, state["storage"]),
+                gateway_url=settings.gateway_url or local_address(settings),
+                token=settings.internal_token,
+                bus=bus,
+                concurrency=settings.batch_concurrency,
+                owner=f"serve@{socket.gethostname()}:{settings.home_dir}",
+            )
+            services.append(runner)
+            state["batch_runner"] = runner
     if parts.autoscaler and settings.autoscaler != "none":
         reconciler = build_reconciler(settings, bus, sessionmaker, consumer)
         services.append(reconciler)
@@ -267,9 +286,14 @@ def local_worker_env(settings: Settings) -> dict[str, str]:
         "TOKENMILL_HEARTBEAT_SECONDS": str(settings.heartbeat_seconds),
     }
     if not settings.redis_url:  # the embedded bus, hosted by this server
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
-        env["TOKENMILL_BUS_URL"] = f"{http_address(host, settings.port)}/internal/bus"
+        env["TOKENMILL_BUS_URL"] = f"{local_address(settings)}/internal/bus"
     return env
+
+
+def local_address(settings: Settings) -> str:
+    """This server's address as seen from this machine (a wildcard bind reached on loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
+    return http_address(host, settings.port)
 
 
 def catalog_config(settings: Settings, storage: Storage | None) -> CatalogConfig:

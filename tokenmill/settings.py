@@ -418,6 +418,30 @@ class Settings(BaseSettings):
         description="Most lines (requests) of an uploaded batch file (400 above it); OpenAI's limit "
         "is 50,000 requests per batch.",
     )
+    # --- the Batch API (`/v1/batches`, issue 19): its window, queue limit and runner ---
+    batch_window_seconds: float = Field(
+        default=86400.0,
+        gt=0,
+        description="How long a batch may run after it is created (its `24h` completion window); what "
+        "has not run by then ends in the error file as `batch_expired`. Tests shorten it.",
+    )
+    batch_queue_tokens: int = Field(
+        default=100_000_000,
+        ge=0,
+        description="An organisation's batch queue limit: the most tokens (estimated prompt + max output) "
+        "its unfinished batches may hold; a batch that would pass it fails at validation with "
+        "`token_limit_exceeded`. 0 = no limit.",
+    )
+    batch_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="Lines one batch runner keeps in flight; fewer while workers report waiting requests.",
+    )
+    gateway_url: str | None = Field(
+        default=None,
+        description="Where batch runners outside `tokenmill serve` (Celery) send a batch's lines: the "
+        "gateway's internal address, e.g. `http://tokenmill-gateway.tokenmill.svc`. `serve` uses its own.",
+    )
     prep_threads: int = Field(
         default=max(1, (os.cpu_count() or 2) // 2),
         ge=1,

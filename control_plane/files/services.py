@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from control_plane.files.models import StoredFile, file_key
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
+from tokenmill.settings import Settings
 from tokenmill.storage import CHUNK, ObjectNotFound, Storage
 
 log = logging.getLogger("tokenmill.files")
@@ -337,6 +338,15 @@ class FileService:
         if not deleted:
             raise not_found(file_id)
         await self._remove(file_key(org_id, file_id))
+
+
+def file_service(
+    settings: Settings, sessionmaker: async_sessionmaker[AsyncSession], storage: Storage
+) -> FileService:
+    """The service with the caps the settings give uploads (the gateway's and a batch runner's)."""
+    return FileService(
+        sessionmaker, storage, max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines
+    )
 
 
 def _stream(content: bytes | IO[bytes]) -> IO[bytes]:

@@ -184,6 +184,20 @@ async def find_key(session: AsyncSession, prefix: str) -> tuple[ApiKey, Organiza
     return None if row is None else (row[0], row[1], row[2])
 
 
+async def find_key_by_id(
+    session: AsyncSession, key_id: str
+) -> tuple[ApiKey, Organization, Plan | None] | None:
+    """`find_key` by the key's id (whose requests a batch's lines are), revoked or not."""
+    result = await session.execute(
+        select(ApiKey, Organization, Plan)
+        .join(Organization, Organization.id == ApiKey.org_id)
+        .outerjoin(Plan, Plan.id == Organization.plan_id)
+        .where(ApiKey.id == key_id)
+    )
+    row = result.first()
+    return None if row is None else (row[0], row[1], row[2])
+
+
 def check_key(secret: str, key: ApiKey | None, secret_key: str) -> ApiKey:
     """`key` if `secret` is its secret and it is usable now, else a 401 APIError.
     The hash comparison is constant-time."""

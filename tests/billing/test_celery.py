@@ -445,6 +445,29 @@ def _celery_redis(redis_url: str) -> str:
     return f"{base}/13" if db.isdigit() else redis_url
 
 
+def start_celery_worker(env: dict[str, str], cwd: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """A real `tokenmill celery worker` (prefork, one child, as in production) with `env`, its
+    output in `log_path`."""
+    with log_path.open("wb") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli", "celery", "worker", "--pool=prefork", "--concurrency=1",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=INFO",
+             f"--hostname=test-{os.getpid()}@%h"],
+            env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so teardown reaches the pool children
+        )  # fmt: skip
+
+
+def stop_celery_worker(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # warm shutdown: the child finishes, then all exit
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything left of the group, the children too
+    proc.wait()
+
+
 @pytest.fixture
 def fake_stripe() -> Iterator[FakeStripe]:
     with FakeStripe() as fake:
@@ -474,14 +497,7 @@ def celery_worker(
     )
     env.pop("TOKENMILL_CELERY_BROKER_URL", None)
     log_path = tmp_path / "worker.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "celery", "worker", "--pool=prefork", "--concurrency=1",
-             "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=INFO",
-             f"--hostname=test-{os.getpid()}@%h"],
-            env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so teardown reaches the pool children
-        )  # fmt: skip
+    proc = start_celery_worker(env, tmp_path, log_path)
     client = capp.make_celery(Settings(redis_url=broker, database_url=pg_url, home=tmp_path / "home"))
     try:
         yield {
@@ -494,26 +510,25 @@ def celery_worker(
         }
     finally:
         client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # warm shutdown: the child finishes, then all exit
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything left of the group, the children too
-        proc.wait()
+        stop_celery_worker(proc)
 
 
 async def _through_worker(worker: dict[str, Any], task: str, **kwargs: Any) -> Any:
     """Send `task` to the real worker and wait for its result (failing fast if the worker died)."""
     result = worker["app"].send_task(task, kwargs=kwargs)
     deadline = time.monotonic() + 60
-    while not await asyncio.to_thread(result.ready):
-        if worker["proc"].poll() is not None:
-            pytest.fail(f"celery worker exited:\n{worker['log'].read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{task} not done in 60 s; worker log:\n{worker['log'].read_text()[-3000:]}")
-        await asyncio.sleep(0.1)
-    return await asyncio.to_thread(result.get, timeout=5)
+    try:
+        while not await asyncio.to_thread(result.ready):
+            if worker["proc"].poll() is not None:
+                pytest.fail(f"celery worker exited:\n{worker['log'].read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{task} not done in 60 s; worker log:\n{worker['log'].read_text()[-3000:]}")
+            await asyncio.sleep(0.1)
+        return await asyncio.to_thread(result.get, timeout=5)
+    finally:
+        # Unsubscribed from its result now, not whenever the garbage collector gets to it: that
+        # may be after the session stopped Redis (then Celery retries for 20 s, and warns).
+        await asyncio.to_thread(result.forget)
 
 
 async def test_jobs_run_through_a_real_celery_worker(

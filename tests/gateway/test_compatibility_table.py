@@ -30,6 +30,7 @@ from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
+from gateway.batches import BatchesController
 from gateway.controllers import OpenAIController
 from gateway.files import FilesController
 from gateway.responses import ResponsesController
@@ -185,7 +186,8 @@ def served() -> dict[tuple[str, str], re.Pattern[str]]:
     """(method, path as OpenAI writes it) -> a pattern of the concrete paths, for every route of
     the controllers `tokenmill/app.py` mounts under /v1."""
     app = Litestar(
-        route_handlers=[OpenAIController, ResponsesController, FilesController], openapi_config=None
+        route_handlers=[OpenAIController, ResponsesController, FilesController, BatchesController],
+        openapi_config=None,
     )
     out = {}
     for route in app.routes:

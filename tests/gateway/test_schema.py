@@ -75,6 +75,10 @@ BUDGET: dict[tuple[str, str], tuple[int, int]] = {
     ("GET", "/v1/files/{file_id}"): (10, 0),
     ("GET", "/v1/files/{file_id}/content"): (10, 0),
     ("DELETE", "/v1/files/{file_id}"): (5, 0),
+    ("POST", "/v1/batches"): (15, 10),
+    ("GET", "/v1/batches"): (10, 5),
+    ("GET", "/v1/batches/{batch_id}"): (10, 0),
+    ("POST", "/v1/batches/{batch_id}/cancel"): (5, 0),
 }
 # The model each operation's requests are pointed at (see `steer`), and those that stream.
 SERVED = {
@@ -89,6 +93,8 @@ STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 RESPONSE_IDS: dict[str, str] = {}
 # Likewise the uploaded files the run's `file_id`s name.
 FILE_IDS: dict[str, str] = {}
+# And the batch its `batch_id`s name (no runner here: it stays validating until cancelled).
+BATCH_IDS: dict[str, str] = {}
 # Every /admin/v1 operation: (positive, negative) examples. Operations that take no input
 # yield one distinct case; it is sent again as other callers until each has MIN_PER_OPERATION.
 ADMIN_BUDGET = (7, 3)
@@ -110,6 +116,9 @@ MIN_OK = {
     "/v1/files": 10,  # uploads (any bytes, named batch.jsonl by the document) and lists
     "/v1/files/{file_id}": 3,
     "/v1/files/{file_id}/content": 3,
+    "/v1/batches": 3,  # creations on the uploaded file, and lists
+    "/v1/batches/{batch_id}": 3,
+    "/v1/batches/{batch_id}/cancel": 1,
 }
 
 CHECKS = [
@@ -158,6 +167,15 @@ class _ModelList(BaseModel):
     data: list[openai.types.Model]
 
 
+class _BatchList(BaseModel):
+    # OpenAI's cursor page of batches.
+    object: Literal["list"]
+    data: list[openai.types.Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class _FileList(BaseModel):
     # OpenAI's cursor page of files (the SDK's `SyncCursorPage` reads `data` and `has_more`).
     object: Literal["list"]
@@ -180,12 +198,16 @@ SDK_TYPES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/responses/{response_id}/cancel": (openai.types.responses.Response, None),
     "/v1/files": (_FileList, None),
     "/v1/files/{file_id}": (openai.types.FileObject, None),
+    "/v1/batches": (_BatchList, None),
+    "/v1/batches/{batch_id}": (openai.types.Batch, None),
+    "/v1/batches/{batch_id}/cancel": (openai.types.Batch, None),
 }
 # The SDK's DELETE returns nothing; OpenAI's answer is this body.
 SDK_TYPES_BY_METHOD: dict[tuple[str, str], type[BaseModel]] = {
     ("DELETE", "/v1/responses/{response_id}"): _DeletedResponse,
     ("POST", "/v1/files"): openai.types.FileObject,
     ("DELETE", "/v1/files/{file_id}"): openai.types.FileDeleted,
+    ("POST", "/v1/batches"): openai.types.Batch,
 }
 # Answers that are bytes, not JSON (the SDK hands them over as they are).
 BINARY = {"/v1/files/{file_id}/content"}
@@ -431,9 +453,13 @@ def steer_v1(case: Any, path: str, i: int, mode: GenerationMode) -> None:
     if path.startswith("/v1/files/") and i % 5:
         which = "delete" if case.operation.method.upper() == "DELETE" else "read"
         case.path_parameters = {**(case.path_parameters or {}), "file_id": FILE_IDS[which]}
+    if path.startswith("/v1/batches/") and i % 5:
+        case.path_parameters = {**(case.path_parameters or {}), "batch_id": BATCH_IDS["read"]}
     if not isinstance(case.body, dict):
         return
     body = dict(case.body)
+    if path == "/v1/batches" and i % 5:  # the uploaded file, and what it may run
+        body.update(input_file_id=FILE_IDS["read"], endpoint="/v1/chat/completions", completion_window="24h")
     if i % 5 and "model" in body:
         body["model"] = SERVED[path]
     if i % 5 and path == "/v1/responses" and body.get("input") is None:
@@ -545,6 +571,13 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_response(g
         )
         assert uploaded.status_code == 200, uploaded.text
         FILE_IDS[which] = uploaded.json()["id"]
+    batch = await gateway_env.client.post(
+        "/v1/batches",
+        headers={"authorization": f"Bearer {gateway_env.admin_key}"},
+        json={"input_file_id": FILE_IDS["read"], "endpoint": "/v1/completions", "completion_window": "24h"},
+    )
+    assert batch.status_code == 200, batch.text
+    BATCH_IDS["read"] = batch.json()["id"]
     schema = schemathesis.openapi.from_dict(doc)
     async with heartbeats(gateway_env, embedder, embed_dep):
         tally = await asyncio.to_thread(
