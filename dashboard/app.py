@@ -30,6 +30,7 @@ from litestar.template.config import TemplateConfig
 from litestar.types import Message, Receive, Scope, Send
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from control_plane.batches.services import batch_service
 from control_plane.catalog.config import CatalogConfig
 from control_plane.deps import UNIT_DEPENDENCIES
 from dashboard import PREFIX, filters
@@ -48,6 +49,7 @@ from tokenmill.bus import EventBus
 from tokenmill.errors import APIError
 from tokenmill.limits import RateLimiter, make_limiter
 from tokenmill.settings import Settings
+from tokenmill.storage import open_storage
 
 log = logging.getLogger("tokenmill.dashboard")
 
@@ -208,6 +210,9 @@ def build_app(
             "catalog": catalog,
             "fleet": fleet,
             "limiter": limiter,
+            # The batches page's: the app's one store of files (the catalogue's), which the
+            # gateway's /v1/files writes to and the batch runner reads.
+            "batches": batch_service(settings, sessionmaker, catalog.storage or open_storage(settings)),
         }
     )
     return app

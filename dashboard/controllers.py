@@ -1,6 +1,7 @@
 """The dashboard's sign-in, overview and routes; the other pages are in org_pages.py,
-catalog_pages.py and billing_pages.py (HTTP only: reads are in services.py, writes go through
-the control plane's and billing's services, which check roles and write the audit log).
+catalog_pages.py, batch_pages.py and billing_pages.py (HTTP only: reads are in services.py,
+writes go through the control plane's and billing's services, which check roles and write the
+audit log).
 
 Forms post back and redirect (303) with a one-line message in a cookie, so reloading a
 page never repeats a change; the two exceptions render a new API key's secret directly, the
@@ -34,6 +35,7 @@ from dashboard.auth import (
     session_token,
     signed_in_user,
 )
+from dashboard.batch_pages import batch_download, batches, cancel_batch
 from dashboard.billing_pages import (
     add_gpu_price,
     add_model_price,
@@ -203,6 +205,9 @@ PAGES = [
     deployment,
     deployment_workers,
     update_deployment,
+    batches,
+    batch_download,
+    cancel_batch,
     usage,
     usage_export,
     invoices,

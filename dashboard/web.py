@@ -21,6 +21,7 @@ NAV = (
     ("keys", "/keys", "API keys"),
     ("models", "/models", "Models & adapters"),
     ("deployments", "/deployments", "Deployments"),
+    ("batches", "/batches", "Batches"),
     ("usage", "/usage", "Usage"),
     ("invoices", "/invoices", "Invoices"),
     ("prices", "/prices", "Prices & plans"),
