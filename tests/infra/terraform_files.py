@@ -203,6 +203,18 @@ def checkov_binary() -> str | None:
     return None
 
 
+def plugin_mirror() -> Path | None:
+    """The local filesystem mirror holding hashicorp/aws (TF_PLUGIN_MIRROR, else under /opt)."""
+    candidates = [os.environ.get("TF_PLUGIN_MIRROR"), "/opt/tf-plugins"]
+    candidates += [
+        str(p.parent.parent.parent) for p in Path("/opt").glob("*/registry.terraform.io/hashicorp/aws")
+    ]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "registry.terraform.io" / "hashicorp" / "aws").is_dir():
+            return Path(candidate)
+    return None
+
+
 def terraform_env(tmp: Path) -> dict[str, str]:
     """No user configuration, no plugin downloads, no telemetry."""
     env = dict(os.environ)

@@ -10,7 +10,6 @@ call passing exactly the variables its module declares, provider versions pinned
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.infra.terraform_files import (
     local_source,
     module_at,
     modules,
+    plugin_mirror,
     run,
     terraform_binary,
     terraform_env,
@@ -62,18 +62,6 @@ def _providers_of(module: Module) -> set[str]:
 # Modules `terraform validate` can check here: AWS's provider (from the mirror) or none.
 AWS_ONLY = [m for m in ALL if _providers_of(modules()[m]) <= {"aws"}]
 AWS_ONLY_IDS = [str(p.relative_to(TERRAFORM)) for p in AWS_ONLY]
-
-
-def plugin_mirror() -> Path | None:
-    """The local filesystem mirror holding hashicorp/aws (TF_PLUGIN_MIRROR, else under /opt)."""
-    candidates = [os.environ.get("TF_PLUGIN_MIRROR"), "/opt/tf-plugins"]
-    candidates += [
-        str(p.parent.parent.parent) for p in Path("/opt").glob("*/registry.terraform.io/hashicorp/aws")
-    ]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "registry.terraform.io" / "hashicorp" / "aws").is_dir():
-            return Path(candidate)
-    return None
 
 
 def test_the_issue_s_modules_and_stacks_exist() -> None:

@@ -307,18 +307,72 @@ def test_autoscaler_rbac_covers_every_call_of_the_kubernetes_provider() -> None:
 
 
 def test_storage_roles_trust_the_module_s_service_accounts() -> None:
+    """Celery and the control plane write the bucket, the gateways only under files/ (the
+    uploads of /v1/files: tests/infra/test_storage_roles.py), the workers only read it."""
     storage = module_at("modules/storage")
     accounts = TOKENMILL.locals["service_accounts"]
-    writers, readers = (
+    writers, files_writers, readers = (
         storage.variables["writer_service_accounts"]["default"],
+        storage.variables["files_writer_service_accounts"]["default"],
         storage.variables["reader_service_accounts"]["default"],
     )
     assert set(writers) == {accounts["control_plane"], accounts["billing"]}
-    assert set(readers) == {accounts["worker"], accounts["gateway"]}
+    assert files_writers == [accounts["gateway"]]
+    assert readers == [accounts["worker"]]
     roles = TOKENMILL.locals["role_arns"]
     assert roles["control_plane"] == roles["billing"] == "${var.writer_role_arn}"
-    assert roles["worker"] == roles["gateway"] == "${var.reader_role_arn}"
+    assert roles["gateway"] == "${var.files_writer_role_arn}"
+    assert roles["worker"] == "${var.reader_role_arn}"
     assert roles["autoscaler"] is None and roles["migrate"] is None
+    # The example hands each role of the infra stack's bucket to the module's variable of that name.
+    outputs = module_at("examples/aws-private/infra").outputs["storage"]["value"]
+    call = module_at("examples/aws-private/platform").modules["tokenmill"]
+    for name in ("writer_role_arn", "files_writer_role_arn", "reader_role_arn"):
+        assert outputs[name] == f"${{module.storage.{name}}}"
+        assert call[name] == f"${{local.infra.storage.{name}}}"
+
+
+def _env(name: str) -> dict[str, str]:
+    container = CONTAINERS[("kubernetes_deployment_v1", name)]
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_celery_sends_batch_lines_to_the_gateway_service() -> None:
+    """Beat schedules `billing.run_batches` only when TOKENMILL_GATEWAY_URL is set, and the
+    Celery worker sends each line there: the gateways' in-cluster Service address."""
+    from billing.schedule import jobs
+
+    for name in ("celery_worker", "celery_beat"):
+        assert _env(name) == {"TOKENMILL_GATEWAY_URL": "${local.gateway_url}"}, name
+    assert "TOKENMILL_GATEWAY_URL" in {env for env, _, _ in describe()}
+    service = "kubernetes_service_v1.gateway"
+    assert TOKENMILL.locals["gateway_url"] == (
+        f"http://${{{service}.metadata[0].name}}.${{kubernetes_namespace_v1.this.metadata[0].name}}"
+        f".svc:${{{service}.spec[0].port[0].port}}"
+    )
+    gateway = TOKENMILL.resources[("kubernetes_service_v1", "gateway")]
+    spec = gateway["spec"][0]
+    assert spec["selector"] == {"app.kubernetes.io/name": '${local.labels.gateway["app.kubernetes.io/name"]}'}
+    (port,) = spec["port"]
+    container = CONTAINERS[("kubernetes_deployment_v1", "gateway")]
+    assert port["target_port"] == container["port"][0]["name"] == "http"
+    # With the Service's name and port and the default namespace, beat schedules the runner.
+    url = f"http://{gateway['metadata'][0]['name']}.{TOKENMILL.variables['namespace']['default']}.svc:{port['port']}"
+    assert url == "http://tokenmill-gateway.tokenmill.svc:80"
+    assert "run_batches" in {job.name for job in jobs(Settings(gateway_url=url))}
+    assert "run_batches" not in {job.name for job in jobs(Settings(gateway_url=None))}
+
+
+def test_celery_has_the_gateway_s_internal_token() -> None:
+    """The runner's lines carry TOKENMILL_INTERNAL_TOKEN: the Celery pods' Secret renders it
+    from the same Secrets Manager entry as the gateways' Secret."""
+    secrets = TOKENMILL.locals["component_secrets"]
+    for name in ("tokenmill-gateway", "tokenmill-billing"):
+        assert secrets[name]["data"]["TOKENMILL_INTERNAL_TOKEN"] == "{{ .internal_token }}", name
+        assert "local.remote.internal" in secrets[name]["remote"], name
+    assert TOKENMILL.locals["remote"]["internal"] == {
+        "internal_token": ["${var.secrets.internal_token}", None]
+    }
 
 
 def _probe_paths(container: dict[str, Any]) -> set[str]:

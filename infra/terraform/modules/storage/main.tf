@@ -1,6 +1,7 @@
-# A private S3 bucket for model weights, LoRA adapters and billing exports: encrypted with
-# its own KMS key, versioned, TLS only, access-logged; and two IAM roles for service
-# accounts (IRSA): one that writes under the prefix, one that only reads.
+# A private S3 bucket for model weights, LoRA adapters, billing exports and the files of
+# /v1/files: encrypted with its own KMS key, versioned, TLS only, access-logged; and three IAM
+# roles for service accounts (IRSA), each reading the whole prefix: one that writes anywhere
+# under it, one that writes only under its files/, one that only reads.
 
 data "aws_caller_identity" "current" {}
 data "aws_partition" "current" {}
@@ -12,8 +13,17 @@ locals {
   objects     = "${aws_s3_bucket.this.arn}/${var.prefix}/*"
   log_bucket  = "${var.bucket_name}-logs"
   roles = {
-    writer = var.writer_service_accounts
-    reader = var.reader_service_accounts
+    writer         = var.writer_service_accounts
+    "files-writer" = var.files_writer_service_accounts
+    reader         = var.reader_service_accounts
+  }
+  # Where each role may create, replace and delete objects. files/ holds the uploads of
+  # /v1/files and batches' output files (control_plane/files/models.py file_key): the gateway
+  # writes there and must not touch weights, adapters or exports.
+  writes = {
+    writer         = [local.objects]
+    "files-writer" = ["${aws_s3_bucket.this.arn}/${var.prefix}/files/*"]
+    reader         = []
   }
 }
 
@@ -325,20 +335,31 @@ data "aws_iam_policy_document" "access" {
   }
 
   statement {
-    sid = "Objects"
-    actions = each.key == "writer" ? [
-      "s3:GetObject",
-      "s3:PutObject",
-      "s3:DeleteObject",
-      "s3:AbortMultipartUpload",
-      "s3:ListMultipartUploadParts",
-    ] : ["s3:GetObject"]
+    sid       = "ReadObjects"
+    actions   = ["s3:GetObject"]
     resources = [local.objects]
+  }
+
+  # PutObject also covers a multipart upload's create, parts and completion (boto3's
+  # upload_fileobj of a large object); aborting and listing parts are actions of their own.
+  dynamic "statement" {
+    for_each = length(local.writes[each.key]) > 0 ? [local.writes[each.key]] : []
+
+    content {
+      sid = "WriteObjects"
+      actions = [
+        "s3:PutObject",
+        "s3:DeleteObject",
+        "s3:AbortMultipartUpload",
+        "s3:ListMultipartUploadParts",
+      ]
+      resources = statement.value
+    }
   }
 
   statement {
     sid       = "BucketKey"
-    actions   = each.key == "writer" ? ["kms:Decrypt", "kms:GenerateDataKey"] : ["kms:Decrypt"]
+    actions   = length(local.writes[each.key]) > 0 ? ["kms:Decrypt", "kms:GenerateDataKey"] : ["kms:Decrypt"]
     resources = [aws_kms_key.this.arn]
 
     condition {

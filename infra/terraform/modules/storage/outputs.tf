@@ -23,6 +23,11 @@ output "writer_role_arn" {
   value       = aws_iam_role.this["writer"].arn
 }
 
+output "files_writer_role_arn" {
+  description = "IAM role of the service accounts that read objects and write only under <prefix>/files/ (the gateways)."
+  value       = aws_iam_role.this["files-writer"].arn
+}
+
 output "reader_role_arn" {
   description = "IAM role of the service accounts that only read objects."
   value       = aws_iam_role.this["reader"].arn

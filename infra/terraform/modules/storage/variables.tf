@@ -64,15 +64,21 @@ variable "namespace" {
 }
 
 variable "writer_service_accounts" {
-  description = "Service accounts that read and write objects (control plane: adapter uploads; Celery: billing exports)."
+  description = "Service accounts that read and write objects anywhere under the prefix (control plane: adapter uploads; Celery: billing exports, batches' output files)."
   type        = list(string)
   default     = ["tokenmill-control-plane", "tokenmill-billing"]
 }
 
-variable "reader_service_accounts" {
-  description = "Service accounts that only read objects (workers: weights and adapters; gateways: tokenizers of stored models)."
+variable "files_writer_service_accounts" {
+  description = "Service accounts that read objects and write only under <prefix>/files/ (gateways: tokenizers of stored models; the uploads and deletions of /v1/files)."
   type        = list(string)
-  default     = ["tokenmill-worker", "tokenmill-gateway"]
+  default     = ["tokenmill-gateway"]
+}
+
+variable "reader_service_accounts" {
+  description = "Service accounts that only read objects (workers: weights and adapters)."
+  type        = list(string)
+  default     = ["tokenmill-worker"]
 }
 
 variable "tags" {

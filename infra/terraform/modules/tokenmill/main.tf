@@ -20,7 +20,7 @@ locals {
     secrets       = "tokenmill-secrets" # External Secrets reads Secrets Manager as this one (IRSA)
   }
   role_arns = {
-    gateway       = var.reader_role_arn
+    gateway       = var.files_writer_role_arn
     control_plane = var.writer_role_arn
     billing       = var.writer_role_arn
     autoscaler    = null
@@ -215,6 +215,11 @@ locals {
   migrate_job = "tokenmill-migrate-${substr(sha256(var.image), 0, 10)}"
 
   system_nodes = { "tokenmill.dev/pool" = "system" }
+
+  # TOKENMILL_GATEWAY_URL of the Celery pods: the batch runner (billing.run_batches) sends each
+  # line through the gateways' Service, and beat schedules it only when this is set.
+  gateway_url = "http://${kubernetes_service_v1.gateway.metadata[0].name}.${kubernetes_namespace_v1.this.metadata[0].name}.svc:${kubernetes_service_v1.gateway.spec[0].port[0].port}"
+
   # Scratch space of a service container (its state and /tmp volumes): requested and limited.
   scratch = "2Gi"
 }
@@ -1063,6 +1068,11 @@ resource "kubernetes_deployment_v1" "celery_worker" {
           image_pull_policy = var.image_pull_policy
           args              = ["celery", "worker", "--concurrency", tostring(var.celery_concurrency)]
 
+          env {
+            name  = "TOKENMILL_GATEWAY_URL"
+            value = local.gateway_url
+          }
+
           env_from {
             config_map_ref {
               name = kubernetes_config_map_v1.settings.metadata[0].name
@@ -1188,6 +1198,11 @@ resource "kubernetes_deployment_v1" "celery_beat" {
           image             = var.image
           image_pull_policy = var.image_pull_policy
           args              = ["celery", "beat"]
+
+          env {
+            name  = "TOKENMILL_GATEWAY_URL"
+            value = local.gateway_url
+          }
 
           env_from {
             config_map_ref {

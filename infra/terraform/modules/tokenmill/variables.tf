@@ -132,8 +132,14 @@ variable "writer_role_arn" {
   default     = null
 }
 
+variable "files_writer_role_arn" {
+  description = "IAM role of the gateway service account (read the bucket, write only under its files/: the uploads of /v1/files); null: no IRSA annotation."
+  type        = string
+  default     = null
+}
+
 variable "reader_role_arn" {
-  description = "IAM role of the worker and gateway service accounts (read the bucket); null: no IRSA annotation."
+  description = "IAM role of the worker service account (read the bucket); null: no IRSA annotation."
   type        = string
   default     = null
 }

@@ -41,12 +41,13 @@ output "namespace" {
 }
 
 output "storage" {
-  description = "The bucket (TOKENMILL_STORAGE_URL, region) and the IRSA roles of its writers and readers."
+  description = "The bucket (TOKENMILL_STORAGE_URL, region) and the IRSA roles of its writers, its files/ writers and its readers."
   value = {
-    url             = module.storage.storage_url
-    region          = module.storage.region
-    writer_role_arn = module.storage.writer_role_arn
-    reader_role_arn = module.storage.reader_role_arn
+    url                   = module.storage.storage_url
+    region                = module.storage.region
+    writer_role_arn       = module.storage.writer_role_arn
+    files_writer_role_arn = module.storage.files_writer_role_arn
+    reader_role_arn       = module.storage.reader_role_arn
   }
 }
 

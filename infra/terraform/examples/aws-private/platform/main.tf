@@ -88,8 +88,9 @@ module "tokenmill" {
   storage_url = local.infra.storage.url
   s3_region   = local.infra.storage.region
 
-  writer_role_arn = local.infra.storage.writer_role_arn
-  reader_role_arn = local.infra.storage.reader_role_arn
+  writer_role_arn       = local.infra.storage.writer_role_arn
+  files_writer_role_arn = local.infra.storage.files_writer_role_arn
+  reader_role_arn       = local.infra.storage.reader_role_arn
 
   worker_gpu_types     = module.gpu_pools.gpu_types
   worker_resources     = module.worker_sizing.worker_resources
