@@ -124,7 +124,7 @@ def _check_price(value: Decimal, param: str) -> Decimal:
         raise APIError(
             400, f"{param} must be a non-negative amount below 10^9 with at most 9 decimals.", param=param
         )
-    return value
+    return value.copy_abs()  # "-0" passes the checks, and is stored and shown as 0
 
 
 def _check_discount(value: Decimal) -> Decimal:
@@ -138,7 +138,7 @@ def _check_discount(value: Decimal) -> Decimal:
             "batch_discount must be a fraction between 0 and 1 (0.5 is half price) with at most 4 decimals.",
             param="batch_discount",
         )
-    return value
+    return value.copy_abs()
 
 
 def _check_currency(value: str) -> str:

@@ -446,26 +446,24 @@ class BatchService:
                             message=EXPIRED_MESSAGE,
                         )
                     )
-        made = []
+        made: list[StoredFile] = []
+
+        async def write(lines: list[str], kind: str) -> StoredFile | None:
+            if not lines:
+                return None
+            made.append(
+                await self.files.write(
+                    batch.org_id,
+                    filename=f"{batch.id}_{kind}.jsonl",
+                    purpose=BATCH_OUTPUT,
+                    content=("\n".join(lines) + "\n").encode(),
+                )
+            )
+            return made[-1]
+
         try:
-            out_file = None
-            err_file = None
-            if output:
-                out_file = await self.files.write(
-                    batch.org_id,
-                    filename=f"{batch.id}_output.jsonl",
-                    purpose=BATCH_OUTPUT,
-                    content=("\n".join(output) + "\n").encode(),
-                )
-                made.append(out_file)
-            if errors:
-                err_file = await self.files.write(
-                    batch.org_id,
-                    filename=f"{batch.id}_error.jsonl",
-                    purpose=BATCH_OUTPUT,
-                    content=("\n".join(errors) + "\n").encode(),
-                )
-                made.append(err_file)
+            out_file = await write(output, "output")
+            err_file = await write(errors, "error")
             async with self.sessionmaker() as session, session.begin():
                 row = await session.get(Batch, batch.id, with_for_update=True)
                 if row is None or row.status not in ACTIVE:

@@ -168,8 +168,8 @@ async def test_batch_discount_round_trips(api: Api) -> None:
     """Each price version carries its batch discount, from none (0) to free (1), and lists
     it as stored; a refused one leaves no version behind."""
     c, h = api.client, api.h("platform")
-    # (sent, answered): a JSON number or a string, answered without trailing zeros.
-    for year, (discount, answer) in enumerate((("0", "0"), ("0.25", "0.25"), (1, "1"), ("0.3750", "0.375"))):
+    # (sent, answered): a JSON number or a string, answered without trailing zeros or sign.
+    for year, (discount, answer) in enumerate((("-0", "0"), ("0.25", "0.25"), (1, "1"), ("0.3750", "0.375"))):
         body = {
             "model": "big-model",
             "input_per_mtok": "2",
