@@ -44,7 +44,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -536,6 +536,7 @@ def worker_priority_class() -> dict[str, Any]:
 class KubernetesProvider:
     """Keeps one Deployment per model deployment in `namespace`; see the module docstring."""
 
+    name: ClassVar[str] = "kubernetes"
     api: client.ApiClient
     namespace: str
     image: str

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from autoscaler.providers import WorkerSpec
 from tokenmill.vllm_args import ENGINE_ARGS_ENV, encode_engine_args
@@ -55,6 +55,7 @@ class LocalProcessProvider:
     drains its in-flight requests) and SIGKILL after `drain_timeout`, in the background.
     """
 
+    name: ClassVar[str] = "local"
     env: dict[str, str]
     drain_timeout: float = 600.0
     workers: dict[str, LocalWorker] = field(default_factory=dict)

@@ -65,6 +65,19 @@ class PolicyConfig:
     season_corr: float = 0.8
     season_bucket: float = 10.0  # the arrival-rate series is averaged over buckets this long
 
+    def __post_init__(self) -> None:
+        # Every target divides a load: a zero one would ask for infinitely many replicas (and
+        # did: a ZeroDivisionError in `_want`). Refused here, whoever builds the config.
+        if not self.target_concurrency > 0:
+            raise ValueError(f"target_concurrency must be above 0, not {self.target_concurrency}")
+        for name in ("target_rate", "target_ttft", "drain_time"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be above 0 (or unset), not {value}")
+        for name in ("stable_window", "panic_window", "season_bucket"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be above 0, not {getattr(self, name)}")
+
 
 @dataclass(slots=True, frozen=True)
 class Sample:

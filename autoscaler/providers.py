@@ -32,6 +32,11 @@ class WorkerSpec:
 
 
 class Provider(Protocol):
+    @property
+    def name(self) -> str:
+        """What runs the workers (local, kubernetes): the label of the provider's error metric."""
+        ...
+
     async def scale(self, spec: WorkerSpec, replicas: int, victims: Sequence[str] = ()) -> None:
         """Make `replicas` workers of `spec` exist. When it must stop some, it stops those in
         `victims` (worker ids, most preferred first) before any others, when it can choose."""

@@ -1,7 +1,8 @@
 """The reconciler: desired deployments (the control plane's) against live workers (the bus's).
 
 Every `interval` it reads the deployments that are not stopped, samples each one's load from its
-workers' heartbeats (plus requests that gateways hold for a deployment with no worker),
+workers' heartbeats (plus requests that gateways hold for a deployment with no worker), with
+the rate at which requests arrive at them (from the counters heartbeats carry: autoscaler/load.py),
 asks the policy for a replica count, and has the provider make it so. Workers silent for
 the heartbeat timeout (judged on evidence: see tokenmill.fleet) are replaced, and their
 departure is announced on the bus for them (`lost`, at their last heartbeat), which closes
@@ -17,24 +18,29 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from autoscaler.leader import Lease
+from autoscaler.load import ArrivalRates, History
+from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.policy import Decision, PolicyConfig, PolicyState, Sample, decide
 from autoscaler.providers import Provider, WorkerSpec
 from control_plane.catalog.models import STOPPED, SUSPENDED, Deployment, Model
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerTable
-from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerDeparture
+from tokenmill.protocol import DEMAND, WORKERS, Demand, WorkerAnnounce, WorkerDeparture, WorkerEvent
 from tokenmill.spool import OUTAGE_ERRORS
 from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.autoscaler")
+
+T = TypeVar("T")
 
 # A request counts as waiting for this long after its gateway last said so (it says so
 # about once a second while it waits).
@@ -43,12 +49,18 @@ DEMAND_TTL = 3.0
 # The deployment's `autoscaling` settings (control_plane.catalog.schemas.Autoscaling) by policy field.
 _SETTING = {
     "target_concurrency": "target_concurrency",
+    "target_rate": "target_rate",
     "target_ttft": "target_ttft_seconds",
     "stable_window": "stable_window_seconds",
     "panic_window": "panic_window_seconds",
     "scale_down_cooldown": "scale_down_cooldown_seconds",
     "scale_to_zero_grace": "scale_to_zero_grace_seconds",
+    "drain_time": "drain_time_seconds",
+    "forecast": "forecast",
+    "forecast_lead": "forecast_lead_seconds",
 }
+# Deployments whose settings the policy refused, and why: said once, not every tick.
+_REFUSED: set[tuple[str, str]] = set()
 
 
 @dataclass(slots=True)
@@ -66,7 +78,15 @@ def policy_config(dep: Deployment) -> PolicyConfig:
     settings: dict[str, Any] = (dep.config or {}).get("autoscaling") or {}
     names = {f.name for f in fields(PolicyConfig)}
     given = {k: settings[v] for k, v in _SETTING.items() if k in names and settings.get(v) is not None}
-    return PolicyConfig(min_replicas=dep.min_replicas, max_replicas=dep.max_replicas, **given)
+    try:
+        return PolicyConfig(min_replicas=dep.min_replicas, max_replicas=dep.max_replicas, **given)
+    except ValueError as exc:
+        # Written before the admin API checked them, or by hand: the deployment still scales,
+        # on the defaults, and the operator is told.
+        if (dep.id, str(exc)) not in _REFUSED:
+            _REFUSED.add((dep.id, str(exc)))
+            log.error("deployment %s: its autoscaling settings are ignored: %s", dep.id, exc)
+        return PolicyConfig(min_replicas=dep.min_replicas, max_replicas=dep.max_replicas)
 
 
 async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) -> dict[str, Desired]:
@@ -96,6 +116,21 @@ async def desired_deployments(sessionmaker: async_sessionmaker[AsyncSession]) ->
         }
 
 
+class _Table(WorkerTable):
+    """The live workers, and what the reconciler measures from the same events."""
+
+    def __init__(self, timeout: float, reconciler: Reconciler) -> None:
+        super().__init__(timeout)
+        self.arrivals = ArrivalRates()
+        self._reconciler = reconciler
+
+    def apply(self, ev: WorkerEvent) -> None:
+        super().apply(ev)
+        self.arrivals.observe(ev)
+        if isinstance(ev, WorkerAnnounce):
+            self._reconciler.announced(ev)
+
+
 class Reconciler(Background):
     name = "autoscaler"
 
@@ -108,6 +143,7 @@ class Reconciler(Background):
         *,
         interval: float,
         worker_timeout: float,
+        metrics: AutoscalerMetrics | None = None,
     ) -> None:
         super().__init__()
         self.bus = bus
@@ -115,9 +151,13 @@ class Reconciler(Background):
         self.provider = provider
         self.lease = lease
         self.interval = interval
-        self.table = WorkerTable(worker_timeout)
-        self.samples: dict[str, deque[Sample]] = {}
+        self.metrics = metrics or AutoscalerMetrics.create()
+        self.table = _Table(worker_timeout, self)
+        self.samples: dict[str, History] = {}
         self.states: dict[str, PolicyState] = {}
+        # Deployment -> monotonic times replicas were asked of the provider and have not
+        # announced themselves yet, oldest first (the cold starts being timed).
+        self.starting: dict[str, deque[float]] = {}
         self.decisions: dict[str, Decision] = {}  # the latest, for status pages and tests
         self.demand: dict[str, dict[str, float]] = {}  # deployment -> request id -> monotonic
         self.departures: list[WorkerDeparture] = []  # lost workers to announce on the bus
@@ -138,6 +178,21 @@ class Reconciler(Background):
     def wanted(self, ev: Demand) -> None:
         self.demand.setdefault(ev.deployment_id, {})[ev.request_id] = time.monotonic()
 
+    def announced(self, ev: WorkerAnnounce) -> None:
+        """A worker started: the oldest replica asked for its deployment has come up."""
+        asked = self.starting.get(ev.deployment_id or "")
+        if asked:
+            took = time.monotonic() - asked.popleft()
+            self.metrics.cold_start_seconds.labels(ev.deployment_id).observe(took)
+
+    async def _provider(self, call: Awaitable[T]) -> T:
+        """The provider's answer; a failure is counted, then raised as before."""
+        try:
+            return await call
+        except Exception:
+            self.metrics.provider_errors.labels(self.provider.name).inc()
+            raise
+
     async def _loop(self) -> None:
         while True:
             started = time.monotonic()
@@ -154,24 +209,26 @@ class Reconciler(Background):
         now = time.monotonic()
         for dep_id, want in desired.items():
             self._sample(dep_id, want.config, now)
+        for dep_id in [d for d in self.samples if d not in desired]:
+            self._forget(dep_id)
         if not await self.lease.hold():
             return
-        for dep_id in set(await self.provider.managed()) - desired.keys():
+        for dep_id in set(await self._provider(self.provider.managed())) - desired.keys():
             log.info("deployment %s is stopped or gone: removing its workers", dep_id)
-            await self.provider.remove(dep_id)
-            self.samples.pop(dep_id, None)
-            self.states.pop(dep_id, None)
+            await self._provider(self.provider.remove(dep_id))
+            self._forget(dep_id)
         for worker in self.table.silent():
             wanted = desired.get(worker.deployment_id) if worker.deployment_id else None
             if wanted is not None and not wanted.held:
                 log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
-                await self.provider.replace(worker.deployment_id, worker.worker_id)
+                await self._provider(self.provider.replace(worker.deployment_id, worker.worker_id))
             self.table.workers.pop(worker.worker_id, None)
             # Said on its behalf (it never will, killed or cut off): every table drops it, and
             # its lifetime closes at its last heartbeat (what dedicated deployments bill).
             self.departures.append(
                 WorkerDeparture(worker.worker_id, worker.deployment_id, ts=worker.sent, lost=True)
             )
+        self.table.arrivals.retain(self.table.workers)
         await self._announce_departures()
         for want in desired.values():
             try:
@@ -180,6 +237,14 @@ class Reconciler(Background):
                 # One deployment the provider cannot build (a setting it needs is missing, a
                 # GPU type it has no size for) must not hold up every other deployment.
                 log.error("cannot reconcile deployment %s: %s", want.spec.deployment_id, exc)
+
+    def _forget(self, dep_id: str) -> None:
+        """A deployment stopped or gone: nothing of it is kept, not even its metrics' series."""
+        self.samples.pop(dep_id, None)
+        self.states.pop(dep_id, None)
+        self.decisions.pop(dep_id, None)
+        self.starting.pop(dep_id, None)
+        self.metrics.forget(dep_id)
 
     async def _announce_departures(self) -> None:
         """Publish the departures not published yet, oldest first; the rest wait for the next
@@ -204,33 +269,49 @@ class Reconciler(Background):
                 del held[request_id]
         serving = [w for w in workers if not w.draining]
         ttfts = [w.ttft_p95 for w in workers if w.ttft_p95 is not None]
+        rate = self.table.arrivals.take(w.worker_id for w in workers)
         sample = Sample(
             ts=now,
             running=sum(w.running for w in workers),
             waiting=sum(w.waiting for w in workers) + len(held),
             kv_usage=sum(w.kv_usage for w in serving) / len(serving) if serving else 0.0,
             ttft_p95=max(ttfts) if ttfts else None,
+            arrival_rate=rate,
         )
-        history = self.samples.setdefault(dep_id, deque())
-        history.append(sample)
-        while history and history[0].ts <= now - config.stable_window:
-            history.popleft()
+        self.samples.setdefault(dep_id, History()).add(sample, config)
+        self.metrics.actual.labels(dep_id).set(len(serving))
+        if rate is not None or not workers:  # no worker: nothing arrives (requests wait as demand)
+            self.metrics.arrival_rate.labels(dep_id).set(rate or 0.0)
 
     async def _reconcile(self, want: Desired, now: float) -> None:
         dep_id = want.spec.deployment_id
-        current = await self.provider.replicas(dep_id)
+        current = await self._provider(self.provider.replicas(dep_id))
         state = self.states.get(dep_id, PolicyState())
         if want.held:
             decision = Decision(0, False, "organisation suspended", state)
         else:
-            decision = decide(want.config, self.samples.get(dep_id, ()), current, state, now)
+            history = self.samples.get(dep_id)
+            decision = decide(want.config, history.samples() if history else (), current, state, now)
         self.states[dep_id] = decision.state
         self.decisions[dep_id] = decision
+        self.metrics.desired.labels(dep_id).set(decision.desired)
         if decision.desired != current:
             log.info("%s: %d -> %d replicas (%s)", want.spec.name, current, decision.desired, decision.reason)
+            direction = "up" if decision.desired > current else "down"
+            self.metrics.decisions.labels(dep_id, direction).inc()
         # The idlest workers go first when scaling down: the least to drain.
-        victims = sorted(
-            (w for w in self.table.workers.values() if w.deployment_id == dep_id),
-            key=lambda w: (w.running + w.waiting, w.kv_usage),
-        )
-        await self.provider.scale(want.spec, decision.desired, [w.worker_id for w in victims])
+        workers = [w for w in self.table.workers.values() if w.deployment_id == dep_id]
+        victims = sorted(workers, key=lambda w: (w.running + w.waiting, w.kv_usage))
+        await self._provider(self.provider.scale(want.spec, decision.desired, [w.worker_id for w in victims]))
+        up = sum(not w.draining for w in workers)
+        self._time_starts(dep_id, decision.desired - current, decision.desired - up)
+
+    def _time_starts(self, dep_id: str, asked: int, missing: int) -> None:
+        """Note `asked` new replicas (when positive), and keep at most `missing` being timed:
+        fewer when a scale-down cancelled replicas still starting (the newest go first)."""
+        starting = self.starting.setdefault(dep_id, deque())
+        if asked > 0:
+            self.metrics.cold_starts.labels(dep_id).inc(asked)
+            starting.extend([time.monotonic()] * asked)
+        while len(starting) > max(missing, 0):
+            starting.pop()

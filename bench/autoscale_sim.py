@@ -26,10 +26,11 @@ The static baseline is the smallest static fleet that meets the TTFT goal on the
 found by search (the cheapest comparator there is). The policy is called every 2 s with the
 fleet's samples, including the arrival rate since the previous sample, and its targets come
 from the replica model rather than a guess: the highest load at which a lone replica still
-meets the TTFT goal, and its mean concurrency there. It uses its seasonal forecast
-(`forecast=True`): it learns the burst period from the arrival rates it observes during the
-run (nothing about the trace is configured, and it starts with no history) and starts
-replicas a cold start ahead of a recurring burst. Printed besides: a reactive-only run
+meets the TTFT goal, and its mean concurrency there (with rates so slow that no load does,
+it says so, and why, and exits with status 1: there is then no target to give the policy).
+It uses its seasonal forecast (`forecast=True`): it learns the burst period from the arrival
+rates it observes during the run (nothing about the trace is configured, and it starts with
+no history) and starts replicas a cold start ahead of a recurring burst. Printed besides: a reactive-only run
 (forecast off), and an oracle that knows the trace, as a bound.
 
 Result: MET on every seed (6, 1, 2, 3: TTFT ok 95.5/95.4/95.1/95.2% at 65.7/66.6/66.3/66.0%
@@ -248,32 +249,69 @@ class Calibration:
     attain: float
 
 
-def calibrate(svc: Service, seconds: float = 3600.0) -> Calibration:
-    """The highest Poisson load (in steps of 0.05 req/s) at which one replica alone meets
-    the TTFT target for GOAL_ATTAIN of requests, and its mean concurrency there."""
-    best = Calibration(0.0, 0.0, 1.0)
+def one_replica(svc: Service, rate: float, seconds: float = 3600.0) -> Calibration:
+    """One replica alone under Poisson arrivals at `rate` req/s: the share of requests that
+    meet the TTFT target, and the mean concurrency."""
+    rng = np.random.default_rng(0)
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
+    arrivals = arrivals[arrivals < seconds]
+    prompts = rng.integers(PROMPT[0], PROMPT[1] + 1, len(arrivals))
+    outputs = rng.integers(OUTPUT[0], OUTPUT[1] + 1, len(arrivals))
+    reqs = [Req(float(a), int(p), int(o), int(p)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
+    rep, i, conc = Replica(0.0), 0, 0
+    ticks = int((seconds + DRAIN) / TICK)
+    for k in range(ticks):
+        while i < len(reqs) and reqs[i].arrival < (k + 1) * TICK:
+            rep.waiting.append(reqs[i])
+            i += 1
+        rep.run(svc, (k + 1) * TICK, [])
+        conc += rep.load()
+    attain = float(np.mean([r.ttft is not None and r.ttft <= TTFT_TARGET for r in reqs])) if reqs else 1.0
+    return Calibration(round(rate, 2), conc / ticks, attain)
+
+
+def alone_attain(svc: Service) -> float:
+    """The share of the trace's requests whose first token comes in time on a replica with
+    nothing else to do (the prompt's prefill alone): the most one replica reaches at any rate,
+    however low."""
+    longest = math.floor(TTFT_TARGET * svc.prefill)  # prompt tokens prefilled within the target
+    lo, hi = PROMPT
+    return min(max(longest - lo + 1, 0), hi - lo + 1) / (hi - lo + 1)
+
+
+def calibrate(svc: Service, seconds: float = 3600.0) -> Calibration | None:
+    """The highest Poisson load (in steps of 0.05 req/s, from 0.5 up, or down when 0.5 is
+    already too much) at which one replica alone meets the TTFT target for GOAL_ATTAIN of
+    requests, and its mean concurrency there; None when no load of 0.05 req/s or more does."""
+    best = None
     for rate in np.arange(0.5, 2.0, 0.05):
-        rng = np.random.default_rng(0)
-        arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
-        arrivals = arrivals[arrivals < seconds]
-        prompts = rng.integers(PROMPT[0], PROMPT[1] + 1, len(arrivals))
-        outputs = rng.integers(OUTPUT[0], OUTPUT[1] + 1, len(arrivals))
-        reqs = [
-            Req(float(a), int(p), int(o), int(p)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)
-        ]
-        rep, i, conc = Replica(0.0), 0, 0
-        ticks = int((seconds + DRAIN) / TICK)
-        for k in range(ticks):
-            while i < len(reqs) and reqs[i].arrival < (k + 1) * TICK:
-                rep.waiting.append(reqs[i])
-                i += 1
-            rep.run(svc, (k + 1) * TICK, [])
-            conc += rep.load()
-        attain = float(np.mean([r.ttft is not None and r.ttft <= TTFT_TARGET for r in reqs]))
-        if attain < GOAL_ATTAIN:
+        cal = one_replica(svc, float(rate), seconds)
+        if cal.attain < GOAL_ATTAIN:
             break
-        best = Calibration(round(float(rate), 2), conc / ticks, attain)
+        best = cal
+    if best is None and alone_attain(svc) >= GOAL_ATTAIN:
+        for rate in np.arange(0.45, 0.04, -0.05):
+            cal = one_replica(svc, float(rate), seconds)
+            if cal.attain >= GOAL_ATTAIN:
+                return cal
     return best
+
+
+def unmeetable(svc: Service) -> str:
+    """Why calibration found no load one replica serves within the goal."""
+    goal = f"the TTFT goal ({TTFT_TARGET} s for >= {GOAL_ATTAIN:.0%} of requests)"
+    alone = alone_attain(svc)
+    if alone < GOAL_ATTAIN:
+        return (
+            f"one replica cannot meet {goal} at any rate: with rates from {svc.source} it prefills "
+            f"{svc.prefill:.0f} prompt tokens/s, so even with nothing else to do only {alone:.1%} of "
+            f"this trace's prompts ({PROMPT[0]}-{PROMPT[1]} tokens) get their first token in time, and "
+            "more replicas do not make one prompt faster. No policy target exists; no fleet meets the goal."
+        )
+    return (
+        f"one replica meets {goal} only below 0.05 req/s (rates from {svc.source}): no policy target "
+        "in the range this simulation searches."
+    )
 
 
 @dataclass(slots=True)
@@ -483,7 +521,18 @@ def main() -> None:
     svc = service()
     tps = engine_workload_tps(svc)
     cal = calibrate(svc)
-    cfg = replace(POLICY, target_rate=cal.rate, target_concurrency=round(cal.concurrency, 1))
+    if cal is None:
+        # Nothing to compare: the policy has no target, and the static fleets would be searched
+        # in vain. A stale result must not stand for this run either.
+        why = unmeetable(svc)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "autoscale_sim.json").write_text(
+            json.dumps({"service": asdict(svc), "calibration": None, "error": why}, indent=2)
+        )
+        raise SystemExit(f"bench/autoscale_sim.py: calibration failed: {why}")
+    # A slow replica's concurrency can round to 0 at one decimal, a target the policy refuses.
+    target = round(cal.concurrency, 1) or float(f"{cal.concurrency:.2g}")
+    cfg = replace(POLICY, target_rate=cal.rate, target_concurrency=target)
     print(
         f"\nbench/autoscale_sim.py  (base {BASE_RATE} req/s for {HOURS:g} h, {BURST:g}x bursts of "
         f"{BURST_LEN:g} s every {BURST_EVERY:g} s, cold start {COLD_START:g} s, TTFT target "

@@ -121,6 +121,25 @@ def cents(amount: Decimal) -> Decimal:
     return amount.quantize(CENT, rounding=ROUND_HALF_EVEN)
 
 
+def grouped(d: Decimal, places: int = 0) -> str:
+    """Thousands separated, with at least `places` decimals and every further one it has:
+    `grouped(Decimal("20000"), 2)` is 20,000.00, `grouped(Decimal("0.0375"), 2)` 0.0375."""
+    d = d.normalize() if d else Decimal(0)  # never -0
+    if -int(d.as_tuple().exponent) < places:
+        d = d.quantize(Decimal(1).scaleb(-places))
+    return f"{d:,f}"
+
+
+def money_text(amount: Decimal, currency: str) -> str:
+    """An amount as invoices show it: to the cent, with its currency code (1,234.50 USD)."""
+    return f"{grouped(cents(amount), 2)} {currency.upper()}"
+
+
+def price_text(price: Decimal, currency: str) -> str:
+    """A unit price: at least to the cent, every decimal it has (20,000.00 USD, 0.0375 USD)."""
+    return f"{grouped(price, 2)} {currency.upper()}"
+
+
 # --- SQL ----------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The price book, the append-only usage ledger, hourly rollups and invoices."""
+"""The price book, the append-only usage ledger, refusal counts, hourly rollups and invoices."""
 
 from __future__ import annotations
 
@@ -93,6 +93,27 @@ class UsageEvent(Base):
     service_tier: Mapped[str] = mapped_column(String(10), default="default", server_default="default")
     # The batch (/v1/batches) the request was a line of: priced at the batch discount.
     batch_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class Refusal(Base):
+    """Requests refused before any worker ran them (401, 403, 404, 429, bad requests), per
+    organisation, API key, reason (gateway/metrics.py's `REASONS`) and UTC minute.
+
+    Gateways count refusals in memory and add their counts every few seconds (an upsert that
+    adds), so a flood of 429s costs one row per key, reason and minute, never one per request.
+    Only callers whose key was accepted are here: a made-up key names no organisation (those
+    are in the gateway's metrics only). Like the ledger, no foreign keys: history outlives a
+    deleted key or tenant.
+    """
+
+    __tablename__ = "refusals"
+    __table_args__ = (Index("ix_refusals_minute", "minute"),)
+
+    org_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)  # start of the minute, UTC
+    api_key_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(40), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
 
 
 class UsageRollup(Base):

@@ -2,7 +2,10 @@
 through billing's and the control plane's services; services.py shapes the charts' windows).
 
 Downloads are billing's exports (billing/exports/services.py): the same files as the admin
-API's `GET /admin/v1/exports/...`."""
+API's `GET /admin/v1/exports/...`; an invoice's PDF is the admin API's
+`GET /admin/v1/invoices/{id}/pdf` (billing/invoices/pdf.py). Running rollups, generating
+invoices and finalizing one call the jobs and services the admin API's billing endpoints
+call, for platform admins only."""
 
 from __future__ import annotations
 
@@ -16,8 +19,11 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Stream, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from billing.common import as_utc, time_range
 from billing.exports.services import ExportQuery, export_chunks, invoice_document
-from billing.invoices.services import get_invoice, list_invoices
+from billing.invoices.pdf import PDF_MEDIA_TYPE, invoice_pdf, pdf_filename
+from billing.invoices.services import finalize_invoice_as, get_invoice, invoice_number, list_invoices
+from billing.jobs import build_invoices, rollup_hours
 from billing.prices.services import PriceBook
 from control_plane.audit.services import record_change
 from control_plane.plans.schemas import PlanCreate
@@ -29,6 +35,7 @@ from control_plane.policy import (
 from control_plane.unit import UnitOfWork
 from control_plane.wire import parse
 from dashboard import charts
+from dashboard.filters import money, when
 from dashboard.services import (
     Series,
     UsageFilter,
@@ -68,7 +75,7 @@ def usage_charts(series: Series, prefix: str) -> list[dict[str, Any]]:
                 f"Spend ({currency}, from hourly rollups)",
                 points(lambda b: float(b.spend or 0)),
                 "bar",
-                lambda v: f"{v:,.2f}",
+                lambda v: money(v, None),
             )
         )
     out.append(("errors", "Error rate", points(lambda b: b.error_rate), "line", lambda v: f"{v * 100:.1f}%"))
@@ -153,14 +160,39 @@ async def usage_export(
     to: FromQuery[str | None] = None,
 ) -> Stream:
     """Every ledger row of the filter, as the admin API's usage export writes them."""
+    return await _export(request, uow, "usage", org, key, model, to)
+
+
+@get("/refusals.csv", opt=WHILE_SUSPENDED)
+async def refusals_export(
+    request: Request[Any, Any, Any],
+    uow: NamedDependency[UnitOfWork],
+    org: FromQuery[str | None] = None,
+    key: FromQuery[str | None] = None,
+    to: FromQuery[str | None] = None,
+) -> Stream:
+    """The refused requests of the filter per key, reason and minute, as the admin API's
+    refusals export writes them (per key: no model filter)."""
+    return await _export(request, uow, "refusals", org, key, None, to)
+
+
+async def _export(
+    request: Request[Any, Any, Any],
+    uow: UnitOfWork,
+    what: str,
+    org: str | None,
+    key: str | None,
+    model: str | None,
+    to: str | None,
+) -> Stream:
     admin = admin_of(request)
-    start = request.query_params.get("from")
+    start = request.query_params.get("from")  # a Python keyword, so not a parameter
     filt, _ = await _usage_filter(uow, admin, org, key, model)
     win = window("7d" if not (start or to) else None, start, to)
     query = ExportQuery(
-        "usage", "csv", win.start, win.end, org_id=filt.org_id, key_id=filt.key_id, model=filt.model
+        what, "csv", win.start, win.end, org_id=filt.org_id, key_id=filt.key_id, model=filt.model
     )
-    name = f"usage-{filt.org_id or 'all'}-{win.from_date}-{win.to_date}.csv"
+    name = f"{what}-{filt.org_id or 'all'}-{win.from_date}-{win.to_date}.csv"
     return Stream(
         export_chunks(request.app.state.sessionmaker, query),
         media_type=query.media_type,
@@ -192,6 +224,7 @@ async def invoices(
         invoices=found,
         orgs=await org_names(uow.session, admin),
         params={"org": org or "", "month": month or "", "status": status or ""},
+        this_month=f"{datetime.now(UTC):%Y-%m}",
     )
 
 
@@ -209,10 +242,12 @@ async def invoice(
     return page(
         request,
         "invoice.html",
-        title=f"Invoice {found.id}",
+        title=f"Invoice {invoice_number(found.number) or found.id}",
         current="invoices",
         invoice=found,
         org_name=(await org_names(uow.session, admin)).get(found.org_id, found.org_id),
+        # A month still running is finalized only on purpose (`force`): see finalize_invoice.
+        period_over=as_utc(found.period_end) <= datetime.now(UTC),
     )
 
 
@@ -224,15 +259,79 @@ async def invoice_download(
     fmt: FromPath[str],
 ) -> Response[bytes]:
     found = await _invoice(uow.session, admin_of(request), invoice_id)
-    if fmt not in ("csv", "json"):
-        raise APIError(404, "Download as csv or json.")
-    body = await invoice_document(uow.session, found, fmt)
-    media = "text/csv; charset=utf-8" if fmt == "csv" else "application/json"
-    return Response(
-        body,
-        media_type=media,
-        headers={"content-disposition": f'attachment; filename="invoice-{found.id}.{fmt}"'},
-    )
+    if fmt == "pdf":
+        body, media, name = await invoice_pdf(uow.session, found), PDF_MEDIA_TYPE, pdf_filename(found)
+    elif fmt in ("csv", "json"):
+        body = await invoice_document(uow.session, found, fmt)
+        media = "text/csv; charset=utf-8" if fmt == "csv" else "application/json"
+        name = f"invoice-{found.id}.{fmt}"
+    else:
+        raise APIError(404, "Download as pdf, csv or json.")
+    return Response(body, media_type=media, headers={"content-disposition": f'attachment; filename="{name}"'})
+
+
+# --- billing runs (platform admins) ---------------------------------------------------------
+
+
+@post("/rollups")
+async def run_rollups(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Redirect:
+    """`POST /admin/v1/rollups`'s job: recompute the hourly rollups of a range now."""
+    require_platform_admin(admin_of(request), "run rollups")  # anyone else: a 403 page
+    fields = await form_fields(request)
+
+    async def act() -> str:
+        start, end = time_range(fields.get("from") or None, fields.get("to") or None)
+        stats = await rollup_hours(request.app.state.sessionmaker, start, end)
+        return (
+            f"Rollups of {when(stats.start)} to {when(stats.end)}: {stats.rows:,} rows "
+            f"({stats.inserted:,} new, {stats.updated:,} changed, {stats.deleted:,} removed)."
+        )
+
+    return await attempt(request, uow, "/invoices", act)
+
+
+@post("/invoices/generate")
+async def generate_invoices(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Redirect:
+    """`POST /admin/v1/invoices/generate`'s job: the month's drafts from its rollups."""
+    require_platform_admin(admin_of(request), "generate invoices")
+    fields = await form_fields(request)
+    month = fields.get("month", "")
+
+    async def act() -> str:
+        build = await build_invoices(request.app.state.sessionmaker, month)
+        counts = (
+            (build.created, "new"),
+            (build.updated, "updated"),
+            (build.unchanged, "unchanged"),
+            (build.deleted, "removed (no usage left)"),
+            (build.finalized, "finalized, left as they are"),
+        )
+        said = ", ".join(f"{len(ids)} {what}" for ids, what in counts if ids)
+        return f"Invoices of {build.month}: {said or 'no usage with a price, so no invoices'}."
+
+    return await attempt(request, uow, "/invoices", act)
+
+
+@post("/invoices/{invoice_id:str}/finalize")
+async def finalize_draft(
+    request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork], invoice_id: FromPath[str]
+) -> Redirect:
+    """`POST /admin/v1/invoices/{id}/finalize`: number the draft and freeze it, audited."""
+    admin = admin_of(request)
+    await _invoice(uow.session, admin, invoice_id)  # another organisation's: a 404 page
+    require_platform_admin(admin, "finalize invoices")
+    fields = await form_fields(request)
+
+    async def act() -> str:
+        found, changed = await finalize_invoice_as(
+            uow.session, admin, invoice_id, force=fields.get("force") == "yes"
+        )
+        number = invoice_number(found.number)
+        if not changed:
+            return f"Invoice {found.id} was already finalized as {number}."
+        return f"Finalized invoice {found.id} as {number}, total {money(found.total, found.currency)}."
+
+    return await attempt(request, uow, f"/invoices/{invoice_id}", act)
 
 
 # --- prices and plans -----------------------------------------------------------------------

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 from datetime import datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 from jinja2 import Environment
 
-from billing.common import as_utc, cents, plain
+from billing.common import CENT, as_utc, cents, grouped, money_text, price_text
+from billing.invoices.services import invoice_number
 from dashboard.charts import compact
 
+# Usage spend is exact to the billionth; under a cent, this many decimals show what it is.
+SUB_CENT = Decimal("0.000001")
 
-def money(value: Decimal | float | int | str | None, currency: str = "usd") -> str:
+
+def money(value: Decimal | float | int | str | None, currency: str | None = "usd") -> str:
+    """An amount with its currency code (None: without, as on a chart's axis), thousands
+    separated, to the cent (invoices' amounts are cents already); usage spend under a cent
+    with up to six decimals, not as 0.00."""
     if value is None:
         return "—"
-    return f"{cents(Decimal(str(value))):,} {currency.upper()}"
+    amount = Decimal(str(value))
+    code = f" {currency.upper()}" if currency else ""
+    if amount and abs(amount) < CENT:
+        small = amount.quantize(SUB_CENT, rounding=ROUND_HALF_EVEN)
+        return f"under {SUB_CENT}{code}" if not small else grouped(small, 2) + code
+    return money_text(amount, currency) if currency else grouped(cents(amount), 2)
 
 
-def price(value: Decimal | None) -> str:
-    """A unit price with all its decimals but no trailing zeros."""
-    return "—" if value is None else plain(Decimal(value))
+def price(value: Decimal | None, currency: str | None = None) -> str:
+    """A unit price: thousands separated, at least to the cent and every decimal it has, with
+    its currency code when given (20,000.00 USD)."""
+    if value is None:
+        return "—"
+    return grouped(Decimal(value), 2) if currency is None else price_text(Decimal(value), currency)
 
 
 def when(value: datetime | None, fmt: str = "%Y-%m-%d %H:%M") -> str:
@@ -35,8 +50,15 @@ def iso(value: datetime | None) -> str:
     return "" if value is None else as_utc(value).isoformat()
 
 
-def number(value: int | float | None) -> str:
-    return "—" if value is None else f"{value:,}"
+def number(value: int | float | Decimal | None) -> str:
+    if value is None:
+        return "—"
+    return grouped(value) if isinstance(value, Decimal) else f"{value:,}"
+
+
+def invoice_label(number: int | None) -> str:
+    """A finalized invoice's number, or "Draft" (numbers are given at finalization)."""
+    return invoice_number(number) or "Draft"
 
 
 def percent(value: float | None, digits: int = 1) -> str:
@@ -61,6 +83,7 @@ FILTERS: dict[str, Any] = {
     "day": day,
     "iso": iso,
     "number": number,
+    "invoice_label": invoice_label,
     "compact": compact,
     "percent": percent,
     "size": size,

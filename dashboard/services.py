@@ -2,8 +2,9 @@
 charts, and who sees which organisations.
 
 Nothing here reads a table: the numbers come from billing's services (the ledger per
-bucket, spend from the rollups) and the control plane's (organisations), which also hold
-every rule; writes go through the same services as the admin API's.
+bucket, refused requests from the refusal counts, spend from the rollups) and the control
+plane's (organisations), which also hold every rule; writes go through the same services as
+the admin API's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.common import as_utc
 from billing.ledger.services import UsageFilter, usage_per_bucket
+from billing.refusals.services import refusals_by_reason, refusals_per_bucket
 from billing.rollups.services import spend_per_bucket
 from control_plane.orgs.services import OrganizationService
 from control_plane.policy import ACTIVE, SUSPENDED, Principal
@@ -125,7 +127,8 @@ class Bucket:
     prompt: int = 0
     cached: int = 0
     completion: int = 0
-    errors: int = 0
+    errors: int = 0  # answered requests that failed
+    refused: int = 0  # requests refused before any worker ran them (401, 429, ...)
     spend: Decimal | None = None  # None: not known for this filter (see `usage_series`)
 
     @property
@@ -134,7 +137,9 @@ class Bucket:
 
     @property
     def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
+        """Of every request made (answered or refused), the share that failed or was refused."""
+        made = self.requests + self.refused
+        return (self.errors + self.refused) / made if made else 0.0
 
 
 @dataclass(slots=True)
@@ -143,20 +148,39 @@ class Series:
     buckets: list[Bucket]
     currency: str = "usd"
     spend_known: bool = True
+    # Refusals are counted per organisation and key, not per model name (a refused request
+    # may name none, or one that does not exist), so with a model filter they are unknown.
+    refusals_known: bool = True
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
     totals: Bucket = field(default_factory=lambda: Bucket(datetime.fromtimestamp(0, UTC)))
 
 
 async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) -> Series:
-    """Requests, tokens and errors per bucket from the ledger; spend per bucket from the
-    hourly rollups (what invoices are built from). Rollups are per organisation and base
-    model, not per key or public model name, so with a key or model filter spend is unknown."""
+    """Requests, tokens and errors per bucket from the ledger; refused requests from the
+    gateways' refusal counts; spend per bucket from the hourly rollups (what invoices are
+    built from). Rollups are per organisation and base model, not per key or public model
+    name, so with a key or model filter spend is unknown; with a model filter, so are
+    refusals."""
     starts = win.starts()
     counts = await usage_per_bucket(session, starts, win.end, filt)
     buckets = [
         Bucket(t, c.requests, c.prompt, c.cached, c.completion, c.errors)
         for t, c in zip(starts, counts, strict=True)
     ]
-    series = Series(win, buckets, spend_known=filt.key_id is None and filt.model is None)
+    series = Series(
+        win,
+        buckets,
+        spend_known=filt.key_id is None and filt.model is None,
+        refusals_known=filt.model is None,
+    )
+    if series.refusals_known:
+        refused = await refusals_per_bucket(session, starts, win.end, filt.org_id, filt.key_id)
+        for bucket, n in zip(buckets, refused, strict=True):
+            bucket.refused = n
+        if any(refused):
+            series.refused_by_reason = await refusals_by_reason(
+                session, starts[0], win.end, filt.org_id, filt.key_id
+            )
     if series.spend_known:
         series.currency, spend = await spend_per_bucket(session, starts, win.end, filt.org_id)
         for bucket, amount in zip(buckets, spend, strict=True):
@@ -168,6 +192,7 @@ async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) ->
         totals.cached += bucket.cached
         totals.completion += bucket.completion
         totals.errors += bucket.errors
+        totals.refused += bucket.refused
         if bucket.spend is not None:
             totals.spend = (totals.spend or Decimal(0)) + bucket.spend
     return series

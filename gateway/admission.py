@@ -31,9 +31,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from billing.common import month_bounds
 from billing.prices.services import Rates, model_rates
 from billing.rollups.services import spend_since
+from gateway.catalog import Target
 from gateway.keys import Caller, Rate
+from gateway.metrics import Series
 from tokenmill.errors import APIError
 from tokenmill.limits import Admission, Hold, Limit, RateLimiter, Slot
+from tokenmill.openai_shapes import ONE, Choices, Prompt
+from tokenmill.openai_types import ServiceTier
 from tokenmill.spool import OUTAGE_ERRORS
 
 log = logging.getLogger("tokenmill.gateway.admission")
@@ -273,6 +277,7 @@ def _refusal(
             code="insufficient_quota",
             type="insufficient_quota",
             headers=headers,
+            reason="budget",
         )
     for i, ((_, rate, who), d) in enumerate(zip(requests + tokens, result.limits, strict=True)):
         if not d.allowed:
@@ -285,6 +290,7 @@ def _refusal(
                 code="rate_limit_exceeded",
                 type=what,
                 headers={**headers, "retry-after": str(retry)},
+                reason=f"rate_limit_{what}",
             )
     for slot, ok in zip(slots, result.slots, strict=True):
         if not ok:
@@ -294,5 +300,41 @@ def _refusal(
                 code="rate_limit_exceeded",
                 type="requests",
                 headers={**headers, "retry-after": "1"},
+                reason="concurrency",
             )
     return APIError(429, "Request refused by the rate limiter.", code="rate_limit_exceeded", headers=headers)
+
+
+# The engine's priority class of each service tier (lower runs first): flex is batch work,
+# scheduled behind every default request waiting on the same worker.
+TIER_PRIORITY: dict[ServiceTier, int] = {"default": 0, "flex": 1}
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request let through admission, with everything needed to serve it."""
+
+    request_id: str
+    caller: Caller
+    target: Target
+    ticket: Ticket
+    prompts: list[Prompt] | None = None  # generation: each served as `choices.n` sequences
+    choices: Choices = ONE  # how its sequences become its choices
+    inputs: list[list[int]] | None = None  # embeddings
+    # The request's context, recorded on its usage event: OpenAI's `user` (the caller's end
+    # user), the caller's X-Client-Request-Id, and the tier it runs at.
+    user: str | None = None
+    client_request_id: str | None = None
+    service_tier: ServiceTier = "default"
+    batch_id: str | None = None  # the batch (/v1/batches) this request is a line of
+    series: Series | None = None  # what it is recorded in (`Gateway.admit` sets it)
+
+    @property
+    def priority(self) -> int:
+        """The engine's priority class it runs at: a batch's line, as flex, behind the rest."""
+        return TIER_PRIORITY["flex" if self.batch_id is not None else self.service_tier]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every answer to it carries: `x-ratelimit-*` (and `x-request-id`)."""
+        return {**self.ticket.headers, "x-request-id": self.request_id}

@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from control_plane.catalog.services import CatalogService
 from gateway.embeddings import vector_size
 from gateway.keys import Caller
+from tokenmill import logs
 from tokenmill.errors import APIError
 from tokenmill.modelstore import resolve_model
 from tokenmill.openai_shapes import model_not_found
@@ -38,6 +39,9 @@ class Target:
     kind: str = "generate"  # of the deployment: generate | embed
     dedicated: bool = False  # billed by GPU-hour, so its tokens cost nothing per token
     adapter_key: str | None = None  # storage folder of the adapter's files, for the worker
+    # The catalogue name of the model it runs (an adapter's base model): what metrics are
+    # labelled by, never `model`, which may name a tenant's adapter.
+    base_model: str = ""
 
     @property
     def priced_model(self) -> str | None:
@@ -82,6 +86,7 @@ class Catalog:
         if target.kind != kind:
             does = "generate text" if kind == "generate" else "compute embeddings"
             raise APIError(400, f"The model '{name}' does not {does}.", param="model")
+        logs.bind(model=name)  # on the request's log lines from here on
         return target
 
     async def _resolve(self, org_id: str, name: str) -> Target:
@@ -114,6 +119,7 @@ class Catalog:
             dep.kind,
             dep.type == "dedicated",
             adapter_key=adapter.storage_key if adapter else None,
+            base_model=model.name,
         )
         if len(self._targets) >= CATALOG_MAX:  # many orgs x names: start over rather than grow
             self._targets.clear()

@@ -13,6 +13,7 @@ from litestar.params import Body, FromPath
 from litestar.types import Message, Scope
 
 from gateway.services import Caller, Gateway
+from tokenmill import logs
 from tokenmill.errors import APIError, error_body, exception_handlers
 from tokenmill.openai_responses import RESPONSES_PARAMETERS
 from tokenmill.openai_shapes import (
@@ -75,12 +76,15 @@ async def require_api_key(request: Request) -> None:
         caller, rid = await gateway.batch_lines.authenticate(
             authorization, batch, request.headers.get("x-tokenmill-batch-line")
         )
+        logs.bind(request_id=rid, org_id=caller.org_id, key_id=caller.key_id)
         request.state.request_id = rid
         request.state.caller, request.state.batch_id, request.state.client_request_id = caller, batch, None
         return
-    request_id(request)  # minted first: whatever happens next, errors included, sees this id
+    # Minted first: whatever happens next, errors and log lines included, sees this id.
+    logs.bind(request_id=request_id(request))
     with auth_failures(request):
-        request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
+        caller = request.state.caller = await gateway.authenticate(request.headers.get("authorization"))
+    logs.bind(org_id=caller.org_id, key_id=caller.key_id)
     # Kept for the usage event of the request (`Gateway.admit`).
     request.state.batch_id = None
     request.state.client_request_id = client_request_id(request.headers.get("x-client-request-id"))
@@ -135,11 +139,14 @@ def _under_v1(path: str) -> bool:
 
 async def stamp_request_ids(message: Message, scope: Scope) -> None:
     """The app's `before_send` hook: every answer of `/v1` carries `x-request-id`, and the
-    caller's valid `X-Client-Request-Id` back as `x-client-request-id`. A hook of the app
-    rather than of this controller, because Litestar answers a path or method it cannot route
-    (404, 405) before any controller sees the request."""
+    caller's valid `X-Client-Request-Id` back as `x-client-request-id`; a refused one (4xx)
+    is counted (`gateway.accounting`). A hook of the app rather than of this controller,
+    because Litestar answers a path or method it cannot route (404, 405) before any
+    controller sees the request."""
     if message["type"] != "http.response.start" or not _under_v1(scope.get("path", "")):
         return
+    if 400 <= message["status"] < 500:
+        scope["litestar_app"].state.accounting.refused(message["status"], scope)
     headers = list(message.get("headers") or ())
     names = {name.lower() for name, _ in headers}
     if b"x-request-id" not in names:

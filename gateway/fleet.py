@@ -27,10 +27,11 @@ import logging
 import math
 import time
 from collections.abc import Collection, Sequence
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import msgspec
 
+from gateway.metrics import GatewayMetrics
 from tokenmill.bus import EventBus
 from tokenmill.fleet import WorkerState, WorkerTable
 from tokenmill.protocol import DEMAND, KV, Demand, KvEvents, WorkerDeparture, WorkerEvent
@@ -54,10 +55,25 @@ Routing = Literal["prefix", "round_robin", "least_loaded"]
 ROUTING_POLICIES: tuple[str, ...] = get_args(Routing)
 
 
+class Route(NamedTuple):
+    """A routing decision: the worker, and how many leading blocks of the prompt it holds
+    (or is about to hold: a prompt routed there moments ago) by the router's reckoning."""
+
+    worker: WorkerState
+    cached_blocks: int
+
+
 class FleetView(WorkerTable, Background):
     name = "fleet-view"
 
-    def __init__(self, bus: EventBus, *, timeout: float, routing: Routing = "prefix") -> None:
+    def __init__(
+        self,
+        bus: EventBus,
+        *,
+        timeout: float,
+        routing: Routing = "prefix",
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         WorkerTable.__init__(self, timeout)
         Background.__init__(self)
         if routing not in ROUTING_POLICIES:
@@ -73,6 +89,11 @@ class FleetView(WorkerTable, Background):
         # its heartbeats do not list yet (it loads them on demand).
         self.pending_adapters: dict[str, dict[str, float]] = {}
         self._changed = asyncio.Event()
+        metrics = metrics or GatewayMetrics.create()
+        self._hit, self._no_hit, self._no_worker = (
+            metrics.routing.labels(routing, outcome) for outcome in ("prefix_hit", "no_hit", "no_worker")
+        )
+        self._lag = metrics.bus_lag
 
     async def run(self) -> None:
         kv = msgspec.json.Decoder(KvEvents)
@@ -82,6 +103,8 @@ class FleetView(WorkerTable, Background):
         )
 
     def apply_kv(self, ev: KvEvents) -> None:
+        if ev.ts:
+            self._lag.set(time.time() - ev.ts)
         blocks = self.cached.setdefault(ev.worker_id, set())
         pending = self.pending.get(ev.worker_id, {})
         for op in ev.ops:
@@ -95,6 +118,8 @@ class FleetView(WorkerTable, Background):
 
     def apply(self, ev: WorkerEvent) -> None:
         WorkerTable.apply(self, ev)
+        if ev.ts:
+            self._lag.set(time.time() - ev.ts)
         if isinstance(ev, WorkerDeparture):
             self.cached.pop(ev.worker_id, None)
             self.pending.pop(ev.worker_id, None)
@@ -110,24 +135,37 @@ class FleetView(WorkerTable, Background):
     ) -> WorkerState | None:
         """A live worker of the deployment for a prompt with block hashes `hashes` (using
         LoRA `adapter`), by the routing policy; None if there is none (outside `exclude`)."""
+        route = self.route(deployment_id, exclude, hashes, adapter)
+        return None if route is None else route.worker
+
+    def route(
+        self,
+        deployment_id: str,
+        exclude: Collection[str] = (),
+        hashes: Sequence[str] = (),
+        adapter: str | None = None,
+    ) -> Route | None:
+        """`pick`, with the chosen worker's share of the prompt's prefix."""
         candidates = [w for w in self.live(deployment_id) if w.worker_id not in exclude]
         if not candidates:
             return None
         now = time.monotonic()
-        if self.routing == "round_robin":
-            chosen = self._round_robin(deployment_id, candidates)
-        elif self.routing == "least_loaded":
-            chosen = min(
-                candidates, key=lambda w: (w.load, self._lacks(w, adapter, now), w.kv_usage, w.worker_id)
-            )
+        if self.routing == "prefix":
+            chosen, cached = self._prefix(candidates, hashes, adapter, now)
         else:
-            chosen = self._prefix(candidates, hashes, adapter, now)
+            if self.routing == "round_robin":
+                chosen = self._round_robin(deployment_id, candidates)
+            else:
+                chosen = min(
+                    candidates, key=lambda w: (w.load, self._lacks(w, adapter, now), w.kv_usage, w.worker_id)
+                )
+            cached = self._expected_overlap(chosen.worker_id, hashes, now) if hashes else 0
         if adapter is not None and adapter not in chosen.adapters:
             pending = self.pending_adapters.setdefault(chosen.worker_id, {})
             for stale in [a for a, deadline in pending.items() if deadline <= now]:
                 del pending[stale]
             pending[adapter] = now + PENDING_SECONDS
-        return chosen
+        return Route(chosen, cached)
 
     def _lacks(self, worker: WorkerState, adapter: str | None, now: float) -> bool:
         """Whether the worker would have to load `adapter` first (False without one)."""
@@ -145,11 +183,12 @@ class FleetView(WorkerTable, Background):
 
     def _prefix(
         self, candidates: list[WorkerState], hashes: Sequence[str], adapter: str | None, now: float
-    ) -> WorkerState:
+    ) -> tuple[WorkerState, int]:
         """The worker holding (or about to hold) the longest prefix of `hashes` among those
         not much busier than the least loaded, then one holding `adapter`, the idler of equals;
         if none holds any of the prefix, one holding the adapter, then the one with the smallest
-        cache footprint. The choice is remembered as pending blocks."""
+        cache footprint; and the blocks of that prefix. The choice is remembered as pending
+        blocks."""
         least = min(w.load for w in candidates)
         eligible = [w for w in candidates if w.load <= least + IMBALANCE]
         scored = [(self._expected_overlap(w.worker_id, hashes, now), w) for w in eligible]
@@ -171,7 +210,7 @@ class FleetView(WorkerTable, Background):
             chosen = min(eligible, key=lambda w: (self._footprint(w.worker_id, now), w.load, w.kv_usage))
         if hashes:
             self._expect(chosen.worker_id, hashes, now)
-        return chosen
+        return chosen, best
 
     def overlap(self, worker_id: str, hashes: Sequence[str]) -> int:
         """How many leading blocks of the prompt the worker has cached, by its KV events (a
@@ -235,16 +274,17 @@ class FleetView(WorkerTable, Background):
         hashes: Sequence[str] = (),
         request_id: str = "",
         adapter: str | None = None,
-    ) -> WorkerState | None:
-        """A worker by `pick`, waiting up to `wait` seconds for one to appear. While the
+    ) -> Route | None:
+        """A worker by `route`, waiting up to `wait` seconds for one to appear. While the
         deployment has no live worker at all, the wait is announced on the bus about once a
         second, so the autoscaler wakes a deployment scaled to zero (a cold start)."""
         deadline = time.monotonic() + wait
         announced = -math.inf
-        while (worker := self.pick(deployment_id, exclude, hashes, adapter)) is None:
+        while (route := self.route(deployment_id, exclude, hashes, adapter)) is None:
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:
+                self._no_worker.inc()
                 return None
             if request_id and now - announced >= DEMAND_EVERY and not self.live(deployment_id):
                 announced = now
@@ -253,7 +293,8 @@ class FleetView(WorkerTable, Background):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(remaining, DEMAND_EVERY)):
                     await self._changed.wait()
-        return worker
+        (self._hit if route.cached_blocks else self._no_hit).inc()
+        return route
 
     async def _announce(self, demand: Demand) -> None:
         try:

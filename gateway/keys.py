@@ -32,6 +32,7 @@ from control_plane.orgs.keys import check_key, find_key, find_key_by_id
 from control_plane.orgs.models import ApiKey, Organization
 from control_plane.plans.models import Plan
 from control_plane.policy import check_serving
+from gateway.metrics import GatewayMetrics
 from tokenmill import security
 from tokenmill.bus import EventBus
 from tokenmill.db import utcnow
@@ -133,6 +134,7 @@ class KeyCache(Background):
         *,
         ttl: float = 30.0,
         miss_ttl: float = 2.0,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         super().__init__()
         assert settings.secret_key
@@ -149,6 +151,11 @@ class KeyCache(Background):
         self._loading: dict[str, asyncio.Future[_Entry]] = {}
         self._generation = 0  # bumped by every change event
         self._changed = msgspec.json.Decoder(KeysChanged)
+        # Key id -> when it was last accepted (epoch seconds), until `take_used` hands it to
+        # the writer (gateway/accounting.py): a dictionary store per request, no database write.
+        self._used: dict[str, float] = {}
+        lookups = (metrics or GatewayMetrics.create()).key_cache
+        self._lookup_hit, self._lookup_miss = lookups.labels("hit"), lookups.labels("miss")
 
     async def run(self) -> None:
         await tail(self.bus, KEYS, lambda raw: self.apply(self._changed.decode(raw)), name=self.name)
@@ -179,6 +186,7 @@ class KeyCache(Background):
         check_key(secret, entry.key if entry else None, self.secret_key)
         assert entry is not None and entry.org is not None and entry.caller is not None
         check_serving(entry.org)
+        self._used[entry.caller.key_id] = time.time()
         return entry.caller
 
     async def batch_caller(self, key_id: str | None, org_id: str) -> Caller:
@@ -200,6 +208,11 @@ class KeyCache(Background):
         q = entry.caller.quota
         return replace(entry.caller, quota=Quota(budget=q.budget, hard_budget=q.hard_budget), batch=True)
 
+    def take_used(self) -> dict[str, float]:
+        """The keys accepted since the last call, with the time of each one's latest use."""
+        used, self._used = self._used, {}
+        return used
+
     def held(self) -> tuple[int, int]:
         """(known keys, remembered unknown keys) in memory now."""
         return len(self._entries), len(self._misses)
@@ -209,10 +222,13 @@ class KeyCache(Background):
         entry = self._entries.get(prefix)
         if entry is not None and entry.expires > now:
             self._entries.move_to_end(prefix)
+            self._lookup_hit.inc()
             return entry
         missed = self._misses.get(prefix)
         if missed is not None and missed > now:
+            self._lookup_hit.inc()  # a key known not to exist: no database read either
             return _NO_KEY
+        self._lookup_miss.inc()
         # Concurrent first requests of one key share one database read.
         fut = self._loading.get(prefix)
         if fut is None:

@@ -76,7 +76,9 @@ async def serve_chat(
     settled and metered once however it ends. The first delta has been awaited, so a failure
     before the first token is raised here, as an HTTP error. The one place this module
     touches the chat path."""
-    admitted = await gateway.admit(caller, request_id, chat, client_request_id=client_request_id)
+    admitted = await gateway.admit(
+        caller, request_id, chat, client_request_id=client_request_id, endpoint="responses"
+    )
     deltas = _one_choice(gateway.stream(admitted))  # started at once below: its end is what settles
     headers = admitted.headers
     try:

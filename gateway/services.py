@@ -13,33 +13,32 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.admission import Admitter, Ticket
+from gateway.admission import Admitted, Admitter, Ticket
 from gateway.batch_lines import BatchLines
 from gateway.catalog import Catalog, Target
 from gateway.embeddings import check_dimensions
-from gateway.fleet import FleetView, WorkerState
+from gateway.fanout import merge
+from gateway.fleet import FleetView, Route, WorkerState
 from gateway.keys import Caller, KeyCache
+from gateway.metrics import GatewayMetrics
 from gateway.prep import Prep
 from gateway.upstream import Upstream, UpstreamError
 from tokenmill.bus import Publisher
 from tokenmill.errors import APIError
 from tokenmill.hashing import extra_keys, hash_blocks
 from tokenmill.openai_shapes import (
-    ONE,
     ChoiceDelta,
     Choices,
-    Prompt,
     chat_prompt,
     completion_prompts,
     embedding_inputs,
     total,
 )
-from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ServiceTier
+from tokenmill.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from tokenmill.protocol import USAGE, EmbedRequest, EmbedResponse, GenerateDelta, GenerateRequest, UsageRecord
 from tokenmill.request_limits import (
     RequestLimits,
@@ -53,38 +52,12 @@ from tokenmill.settings import Settings
 log = logging.getLogger("tokenmill.gateway")
 
 MAX_ATTEMPTS = 3
-# The engine's priority class of each service tier (lower runs first): flex is batch work,
-# scheduled behind every default request waiting on the same worker.
-TIER_PRIORITY: dict[ServiceTier, int] = {"default": 0, "flex": 1}
-
-
-@dataclass(slots=True)
-class Admitted:
-    """A request let through admission, with everything needed to serve it."""
-
-    request_id: str
-    caller: Caller
-    target: Target
-    ticket: Ticket
-    prompts: list[Prompt] | None = None  # generation: each served as `choices.n` sequences
-    choices: Choices = ONE  # how its sequences become its choices
-    inputs: list[list[int]] | None = None  # embeddings
-    # The request's context, recorded on its usage event: OpenAI's `user` (the caller's end
-    # user), the caller's X-Client-Request-Id, and the tier it runs at.
-    user: str | None = None
-    client_request_id: str | None = None
-    service_tier: ServiceTier = "default"
-    batch_id: str | None = None  # the batch (/v1/batches) this request is a line of
-
-    @property
-    def priority(self) -> int:
-        """The engine's priority class it runs at: a batch's line, as flex, behind the rest."""
-        return TIER_PRIORITY["flex" if self.batch_id is not None else self.service_tier]
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """What every answer to it carries: `x-ratelimit-*` (and `x-request-id`)."""
-        return {**self.ticket.headers, "x-request-id": self.request_id}
+# The `endpoint` label of a request's metrics, by its body (/v1/responses says its own).
+ENDPOINTS: dict[type, str] = {
+    ChatCompletionRequest: "chat",
+    CompletionRequest: "completions",
+    EmbeddingRequest: "embeddings",
+}
 
 
 class Gateway:
@@ -99,8 +72,10 @@ class Gateway:
         publisher: Publisher,
         upstream: Upstream,
         prep: Prep,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or GatewayMetrics.create()
         self.sessionmaker = sessionmaker
         self.fleet = fleet
         self.keys = keys
@@ -134,21 +109,28 @@ class Gateway:
         *,
         client_request_id: str | None = None,
         batch_id: str | None = None,
+        endpoint: str | None = None,
     ) -> Admitted:
         """Count the request, then resolve its model, prepare its prompt and admit its tokens;
         raises APIError (with the `x-ratelimit-*` headers known so far) when it may not run.
         What this returns holds limits and a budget hold: serve it with `stream` or `embed`,
         which give them back however the request ends. `client_request_id` (the caller's
-        X-Client-Request-Id) and `batch_id` (`BatchLines.authenticate`) are only recorded."""
+        X-Client-Request-Id) and `batch_id` (`BatchLines.authenticate`) are only recorded;
+        `endpoint` labels its metrics when the body's type does not say it."""
+        started = time.perf_counter()
         headers = await self.admitter.count(caller, request_id)
         try:
-            admitted = await self._prepare(caller, request_id, body)
+            admitted = await self._prepare(caller, request_id, body, time.perf_counter() - started)
         except APIError as exc:
             exc.headers = {**headers, **exc.headers}
             raise
         admitted.ticket.headers = {**headers, **admitted.ticket.headers}
         admitted.client_request_id = client_request_id
         admitted.batch_id = batch_id
+        target = admitted.target
+        admitted.series = self.metrics.series(
+            endpoint or ENDPOINTS[type(body)], target.base_model, target.deployment_id
+        )
         return admitted
 
     async def _prepare(
@@ -156,9 +138,11 @@ class Gateway:
         caller: Caller,
         request_id: str,
         body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
+        counted: float,
     ) -> Admitted:
-        """`admit` once the request is counted: its model, its prompt (prepared off the event
-        loop when large), then its tokens, concurrency and budget hold."""
+        """`admit` once the request is counted (which took `counted` seconds): its model, its
+        prompt (prepared off the event loop when large), then its tokens, concurrency and
+        budget hold."""
         org, limits = caller.org_id, self.limits
         if isinstance(body, EmbeddingRequest):
             target = await self.catalog.resolve(caller, body.model, kind="embed")
@@ -170,7 +154,8 @@ class Gateway:
             inputs = await self.prep.run(
                 org, size, embedding_inputs, body, tok, context_length=target.context_length
             )
-            ticket = await self._admit(caller, target.priced_model, request_id, sum(map(len, inputs)), 0)
+            tokens = sum(map(len, inputs))
+            ticket = await self._admit(caller, target.priced_model, request_id, tokens, 0, counted)
             return Admitted(request_id, caller, target, ticket, inputs=inputs, user=body.user)
         target = await self.catalog.resolve(caller, body.model)
         chat = isinstance(body, ChatCompletionRequest)
@@ -189,7 +174,8 @@ class Gateway:
         # The worst case is charged: each prompt once (as it is billed), `n` completions of each.
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         max_tokens = body.n * sum(p.sampling.max_tokens for p in prompts)
-        ticket = await self._admit(caller, target.priced_model, request_id, prompt_tokens, max_tokens)
+        model_id = target.priced_model
+        ticket = await self._admit(caller, model_id, request_id, prompt_tokens, max_tokens, counted)
         tier = service_tier(body.service_tier) if isinstance(body, ChatCompletionRequest) else "default"
         return Admitted(
             request_id,
@@ -203,11 +189,18 @@ class Gateway:
         )
 
     async def _admit(
-        self, caller: Caller, model_id: str | None, request_id: str, prompt_tokens: int, max_tokens: int
+        self,
+        caller: Caller,
+        model_id: str | None,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        counted: float,
     ) -> Ticket:
         """`Admitter.admit`, given back if the caller is cancelled while it runs: a client
         leaving at that instant must not keep a concurrency slot and a budget hold until they
-        expire on their own."""
+        expire on their own. Its time and the count's (`counted`) are the admission time."""
+        started = time.perf_counter()
         task = asyncio.ensure_future(
             self.admitter.admit(caller, model_id, request_id, prompt_tokens, max_tokens)
         )
@@ -216,6 +209,8 @@ class Gateway:
         except asyncio.CancelledError:
             task.add_done_callback(self._give_back)
             raise
+        finally:
+            self.metrics.admission.observe(counted + time.perf_counter() - started)
 
     def _give_back(self, task: asyncio.Future[Ticket]) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -237,7 +232,8 @@ class Gateway:
         must start this generator at once (`respond` does): its `finally` is what settles.
         """
         caller, target, prompts, n = admitted.caller, admitted.target, admitted.prompts, admitted.choices.n
-        assert prompts
+        series = admitted.series
+        assert prompts and series
         started = time.monotonic()
         deadline = started + self.settings.max_stream_seconds
         ttft: float | None = None
@@ -245,6 +241,7 @@ class Gateway:
         lasts: dict[int, GenerateDelta] = {}
         status = "error"
         answered = False
+        error_status: int | None = None  # the HTTP status of the error it ended with, if any
         try:
             # Each prompt's chained block hashes, salted per organisation (and adapter) exactly
             # as the engine salts them, so the router can find the worker that holds its prefix.
@@ -253,7 +250,7 @@ class Gateway:
             for p, prompt in enumerate(prompts):
                 hashes = [h.hex() for h in hash_blocks(prompt.token_ids, self.settings.block_size, extra)]
                 sequences += [self._sequence(admitted, p * n + k, hashes, deadline) for k in range(n)]
-            merged = sequences[0] if len(sequences) == 1 else _merge(sequences)
+            merged = sequences[0] if len(sequences) == 1 else merge(sequences)
             async with aclosing(merged):
                 async for item in merged:
                     if ttft is None:
@@ -266,10 +263,14 @@ class Gateway:
         except (GeneratorExit, asyncio.CancelledError):
             status = "cancelled"
             raise
+        except APIError as exc:
+            error_status = exc.status
+            exc.metered = True  # counted here, not as a refusal (gateway/accounting.py)
+            raise
         finally:
-            await self._finish(
-                admitted, total(lasts, n), status, ttft, time.monotonic() - started, answered=answered
-            )
+            last, duration = total(lasts, n), time.monotonic() - started
+            series.ended(last, status, ttft, duration, error_status, sequences=len(prompts) * n)
+            await self._finish(admitted, last, status, ttft, duration, answered=answered)
 
     async def _sequence(
         self, admitted: Admitted, index: int, hashes: list[str], deadline: float
@@ -302,8 +303,15 @@ class Gateway:
         logprobs = sampling.logprobs is not None
         tried: set[str] = set()
         first = True
+        series = admitted.series
+        assert series is not None
         while True:
-            worker = await self._worker(target, request_id, tried, hashes)
+            worker, cached_blocks = await self._worker(target, request_id, tried, hashes)
+            if tried:  # sent again, to another worker
+                series.retries.inc()
+            series.routed_tokens.inc(len(prompt.token_ids))
+            if cached_blocks:
+                series.hit_tokens.inc(min(cached_blocks * self.settings.block_size, len(prompt.token_ids)))
             tried.add(worker.worker_id)
             worker.inflight += 1
             try:
@@ -326,6 +334,7 @@ class Gateway:
                 return
             except (UpstreamError, _WorkerFailed) as exc:
                 self.fleet.forget(worker.worker_id)
+                series.upstream_failed(isinstance(exc, UpstreamError) and exc.timeout)
                 if not first or len(tried) >= MAX_ATTEMPTS:
                     log.warning("worker %s failed mid-request %s: %s", worker.worker_id, request_id, exc)
                     raise _worker_failure(exc, "The model worker") from exc
@@ -338,14 +347,19 @@ class Gateway:
         another worker when one fails, metered once like a generation."""
         target, request_id, inputs = admitted.target, admitted.request_id, admitted.inputs
         assert inputs is not None
+        series = admitted.series
+        assert series is not None
         started = time.monotonic()
         done = GenerateDelta()
         status = "error"
+        error_status: int | None = None
         try:
             body = msgspec.json.encode(EmbedRequest(request_id=request_id, inputs=inputs))
             tried: set[str] = set()
             while True:
-                worker = await self._worker(target, request_id, tried, [])
+                worker, _ = await self._worker(target, request_id, tried, [])
+                if tried:  # sent again, to another worker
+                    series.retries.inc()
                 tried.add(worker.worker_id)
                 worker.inflight += 1
                 try:
@@ -362,6 +376,7 @@ class Gateway:
                     return result
                 except (UpstreamError, _WorkerFailed) as exc:
                     self.fleet.forget(worker.worker_id)
+                    series.upstream_failed(isinstance(exc, UpstreamError) and exc.timeout)
                     if len(tried) >= MAX_ATTEMPTS:
                         raise _worker_failure(exc, "The embedding worker") from exc
                     log.info("worker %s failed on embeddings; retrying elsewhere", worker.worker_id)
@@ -370,16 +385,18 @@ class Gateway:
         except asyncio.CancelledError:
             status = "cancelled"
             raise
+        except APIError as exc:
+            error_status = exc.status
+            exc.metered = True  # counted here, not as a refusal (gateway/accounting.py)
+            raise
         finally:
-            await self._finish(
-                admitted, done, status, None, time.monotonic() - started, answered=status == "ok"
-            )
+            duration = time.monotonic() - started
+            series.ended(done, status, None, duration, error_status, sequences=1)
+            await self._finish(admitted, done, status, None, duration, answered=status == "ok")
 
-    async def _worker(
-        self, target: Target, request_id: str, tried: set[str], hashes: list[str]
-    ) -> WorkerState:
+    async def _worker(self, target: Target, request_id: str, tried: set[str], hashes: list[str]) -> Route:
         wait = self.settings.worker_wait_seconds if not tried else 2 * self.settings.heartbeat_seconds
-        worker = await self.fleet.wait_for(
+        route = await self.fleet.wait_for(
             target.deployment_id,
             wait,
             exclude=tried,
@@ -387,13 +404,13 @@ class Gateway:
             request_id=request_id,
             adapter=target.adapter_id,
         )
-        if worker is None:
+        if route is None:
             raise APIError(
                 503,
                 f"No worker is serving '{target.model}' right now; please retry shortly.",
                 code="no_worker_available",
             )
-        return worker
+        return route
 
     async def _stream(self, worker: WorkerState, body: bytes) -> AsyncIterator[GenerateDelta]:
         async with self.upstream.post(worker.address, "/generate", body, self._internal) as r:
@@ -456,40 +473,6 @@ class Gateway:
 
 class _WorkerFailed(Exception):
     pass
-
-
-async def _merge(sequences: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
-    """The deltas of all `sequences` as they come, each sequence pumped by a task of its own.
-    The first failure of one ends this (raised here); closing this cancels the tasks, which
-    closes every sequence (and its worker stream) at once."""
-    # Unbounded: a sequence yields at most its max_tokens, and a pump must never wait.
-    queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
-
-    async def pump(sequence: AsyncGenerator[ChoiceDelta, None]) -> None:
-        try:
-            async with aclosing(sequence):
-                async for item in sequence:
-                    queue.put_nowait(item)
-        except Exception as exc:
-            queue.put_nowait(exc)
-        else:
-            queue.put_nowait(None)  # this one is done
-
-    tasks = [asyncio.ensure_future(pump(s)) for s in sequences]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _worker_failure(exc: Exception, who: str) -> APIError:

@@ -28,6 +28,14 @@ fi
 if ! command -v wrk >/dev/null 2>&1; then
     missing+=(wrk)
 fi
+# tests/infra/test_grafana.py checks the alert rules with promtool, which Debian ships in prometheus.
+if ! command -v promtool >/dev/null 2>&1; then
+    missing+=(prometheus)
+fi
+# The invoice PDF's tests read its text back with poppler's pdftotext.
+if ! command -v pdftotext >/dev/null 2>&1; then
+    missing+=(poppler-utils)
+fi
 
 if ((${#missing[@]} == 0)); then
     exit 0

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill import __version__
+from tokenmill import __version__, tracing
 from tokenmill.net import http_address
 from tokenmill.settings import Settings
 
@@ -59,19 +59,31 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     bus = make_bus(settings)
     handlers: list[Any] = []
     before_send: list[Any] = []  # hooks on every message the app sends
+    after_exception: list[Any] = []  # hooks on every exception, before it is answered
+    middleware: list[Any] = []
     dependencies: dict[str, Provide] = {"db_session": Provide(provide_db_session)}
     services: list[Any] = []  # objects with start()/stop()
     closers: list[Callable[[], Awaitable[None]]] = []
-    state: dict[str, Any] = {"settings": settings, "sessionmaker": sessionmaker, "bus": bus}
+    # Prometheus registries of this app, served by `/metrics` beside the process's default one
+    # (one set per app: tests build many apps in one process).
+    registries: list[Any] = []
+    state: dict[str, Any] = {
+        "settings": settings,
+        "sessionmaker": sessionmaker,
+        "bus": bus,
+        "metrics_registries": registries,
+    }
     consumer = f"{socket.gethostname()}-{os.getpid()}"
 
     if parts.gateway:
+        from gateway.accounting import Accounting, note_exception
         from gateway.admission import Admitter
         from gateway.batches import BatchesController
         from gateway.controllers import OpenAIController, stamp_request_ids
         from gateway.files import FilesController
         from gateway.fleet import FleetView
         from gateway.keys import KeyCache
+        from gateway.metrics import GatewayMetrics
         from gateway.prep import Prep
         from gateway.responses import ResponsesController
         from gateway.services import Gateway
@@ -84,8 +96,12 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
 
         # The files of /v1/files (and, with the admin API, adapter files): one store per app.
         state["storage"] = open_storage(settings)
-        fleet = FleetView(bus, timeout=settings.worker_timeout_seconds, routing=settings.routing)
-        keys = KeyCache(settings, bus, sessionmaker)
+        gateway_metrics = GatewayMetrics.create()
+        registries.append(gateway_metrics.registry)
+        fleet = FleetView(
+            bus, timeout=settings.worker_timeout_seconds, routing=settings.routing, metrics=gateway_metrics
+        )
+        keys = KeyCache(settings, bus, sessionmaker, metrics=gateway_metrics)
         limiter: RateLimiter
         publisher: Publisher
         try:
@@ -112,6 +128,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
             limiter, publisher = make_limiter(settings), bus
         # Usage events wait on disk while the bus is unreachable, and are replayed in order.
         usage = SpoolingPublisher(publisher, settings.spool_path)
+        gateway_metrics.spool_depth.set_function(usage.pending)
         services += [fleet, keys, usage]
         upstream = Upstream(  # keep-alive connections to the workers
             connect_timeout=settings.upstream_connect_timeout_seconds,
@@ -133,6 +150,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
             publisher=usage,
             upstream=upstream,
             prep=prep,
+            metrics=gateway_metrics,
         )
         # Bodies over the cap are refused (413) while they arrive, before any parsing.
         handlers.append(
@@ -144,6 +162,24 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         )
         # x-request-id on every answer of /v1, also those Litestar gives before any route runs.
         before_send.append(stamp_request_ids)
+        if tracing.setup("tokenmill-gateway"):  # OTEL_* settings; off, no tracing code runs
+            from litestar.middleware import DefineMiddleware
+
+            from gateway.tracing import TRACED_PATHS, instrument
+
+            instrument(state["gateway"])
+            middleware.append(DefineMiddleware(tracing.ServerSpans, paths=TRACED_PATHS))
+        # Refused requests (counted by `stamp_request_ids`, their exception noted first) and
+        # keys' last use, written in batches.
+        state["accounting"] = accounting = Accounting(
+            sessionmaker,
+            gateway_metrics,
+            keys,
+            flush_seconds=settings.refusals_flush_seconds,
+            last_used_seconds=settings.key_last_used_seconds,
+        )
+        services.append(accounting)
+        after_exception.append(note_exception)
     if parts.admin:
         from billing.router import billing_router
         from billing.stripe.controllers import StripeWebhookController
@@ -168,10 +204,16 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         services += dashboard.services
         closers += dashboard.closers
     if parts.consumers:
+        from billing.ledger.metrics import LedgerMetrics
         from billing.ledger.services import UsageConsumer
         from control_plane.catalog.lifetimes import WorkerLifetimes
 
-        services += [UsageConsumer(bus, sessionmaker, consumer), WorkerLifetimes(bus, sessionmaker, consumer)]
+        ledger_metrics = LedgerMetrics.create()
+        registries.append(ledger_metrics.registry)
+        services += [
+            UsageConsumer(bus, sessionmaker, consumer, metrics=ledger_metrics),
+            WorkerLifetimes(bus, sessionmaker, consumer),
+        ]
     if parts.scheduler:
         from billing.schedule import InProcessScheduler
 
@@ -200,6 +242,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
             state["batch_runner"] = runner
     if parts.autoscaler and settings.autoscaler != "none":
         reconciler = build_reconciler(settings, bus, sessionmaker, consumer)
+        registries.append(reconciler.metrics.registry)
         services.append(reconciler)
         closers.append(reconciler.provider.close)
         state["reconciler"] = reconciler
@@ -228,6 +271,8 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
         dependencies=dependencies,
         exception_handlers=exception_handlers(),
         before_send=before_send,
+        after_exception=after_exception,
+        middleware=middleware,
         lifespan=[lifespan],
         openapi_config=OpenAPIConfig(title="Tokenmill", version=__version__, path="/docs"),
         logging_config=None,  # keep the process's logging set up by the CLI

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from tokenmill import __version__
+from tokenmill import __version__, logs
 from tokenmill.app import Parts, create_app, local_worker_env
 from tokenmill.settings import Settings
 
@@ -48,32 +48,8 @@ def _settings(**overrides: Any) -> Settings:
     for name, value in overrides.items():
         if value is not None:
             setattr(settings, name, value)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Alembic narrates every step at INFO; the commands say what matters themselves.
-    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))
-    # Database and HTTP libraries log statements with their parameters (key hashes, password
-    # hashes, cache salts) or headers at DEBUG: never let TOKENMILL_LOG_LEVEL open them.
-    for noisy in _SECRET_BEARING_LOGGERS:
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    logs.configure(settings.log_level, settings.log_format)
     return settings
-
-
-_SECRET_BEARING_LOGGERS = (
-    "aiosqlite",
-    "asyncpg",
-    "sqlalchemy.engine",
-    "sqlalchemy.pool",
-    "httpcore",
-    "hpack",
-    "botocore",
-    "boto3",
-    "urllib3",
-    "stripe",
-)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -538,7 +514,7 @@ def _body(data: dict[str, Any], kind: type[T]) -> T:
 
 
 @admin.command("export")
-@click.argument("what", type=click.Choice(["usage", "rollups", "invoices"]))
+@click.argument("what", type=click.Choice(["usage", "refusals", "rollups", "invoices"]))
 @click.option("--format", "fmt", type=click.Choice(["csv", "json"]), default="csv", show_default=True)
 @click.option("--from", "start", help="Start, ISO 8601 date or time, UTC [default: this month's start].")
 @click.option("--to", "end", help="End, exclusive [default: now].")
@@ -547,8 +523,8 @@ def _body(data: dict[str, Any], kind: type[T]) -> T:
 def export(
     what: str, fmt: str, start: str | None, end: str | None, org_ref: str | None, output: str | None
 ) -> None:
-    """Export per-request usage, hourly rollups or invoices as CSV or JSON, streamed from the
-    database (any range in bounded memory)."""
+    """Export per-request usage, refused requests (per key, reason and minute), hourly rollups
+    or invoices as CSV or JSON, streamed from the database (any range in bounded memory)."""
     from billing.exports.services import export_query, stream_export
 
     async def go(unit: UnitOfWork, _: Settings) -> None:

@@ -42,6 +42,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +51,13 @@ class APIError(Exception):
         self.param = param
         self.type = type or _TYPES.get(status, "api_error")
         self.headers = headers or {}
+        # What kind of refusal this is, for the gateway's accounting (gateway/metrics.py's
+        # REASONS), where the code and type do not tell (every 429 of the limits is
+        # `rate_limit_exceeded`); None: told by them.
+        self.reason = reason
+        # Set when a worker ran the request (gateway/services.py): it is metered, and counted
+        # with the answered requests, so it is no refusal.
+        self.metered = False
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)

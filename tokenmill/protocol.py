@@ -127,6 +127,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
     draining: bool = False
     ts: float = 0.0
     ttft_p95: float | None = None  # seconds, over requests that got their first token lately
+    # Requests that reached the worker and that ended (however), since it started: cumulative,
+    # so a lost heartbeat loses nothing; the autoscaler takes arrival rates from their change.
+    arrived: int = 0
+    finished: int = 0
 
 
 class WorkerDeparture(msgspec.Struct, tag="departure", tag_field="type"):

@@ -222,7 +222,9 @@ class Settings(BaseSettings):
     stripe_meter_prefix: str = Field(
         default="tokenmill_",
         description="Prefix of the Stripe meter event names in `meters` mode: `<prefix>input_tokens`, "
-        "`<prefix>cached_input_tokens`, `<prefix>output_tokens`, `<prefix>gpu_seconds`.",
+        "`<prefix>cached_input_tokens`, `<prefix>output_tokens`, `<prefix>gpu_seconds`, and the "
+        "`<prefix>batch_input_tokens`, `<prefix>batch_cached_input_tokens`, `<prefix>batch_output_tokens` "
+        "of requests run in a batch.",
     )
     storage_url: str | None = Field(
         default=None,
@@ -261,6 +263,18 @@ class Settings(BaseSettings):
         ge=0,
         description="Failed API key authentications a client address may make in a burst, then one "
         "every 60/N s, before further attempts get 429 without a database read; 0 = no limit.",
+    )
+    refusals_flush_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often a gateway adds the refused requests it counted (per organisation, key, "
+        "reason and minute) to the database; also on shutdown.",
+    )
+    key_last_used_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often a gateway writes the last use of the API keys used since (one statement "
+        "for all of them; never a write per request).",
     )
     max_lora_rank: int = Field(
         default=64, ge=1, description="Largest LoRA rank an uploaded adapter may have."
@@ -449,6 +463,11 @@ class Settings(BaseSettings):
         "of large requests off its event loop (one at a time per organisation); default half the CPUs.",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="`text` (readable lines) or `json` (one JSON object per line: ts, level, logger, "
+        "message, and on a request's lines its request_id, org_id, key_id, model and trace_id).",
+    )
 
     @model_validator(mode="after")
     def _shutdown_outlasts_streams(self) -> Settings:

@@ -13,12 +13,12 @@ same cache, at the cost of one listing.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from tokenmill import logs
 from tokenmill.modelstore import model_name, resolve_model
 from tokenmill.settings import Settings
 from tokenmill.storage import open_storage
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("link", type=Path, help="symlink to create (in the model cache volume)")
     args = parser.parse_args(argv)
     settings = Settings()
-    logging.basicConfig(level=settings.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     try:
         model_dir = fetch_model(args.source, args.link, settings)
     except (OSError, ValueError) as exc:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tokenmill import tracing
 from tokenmill.errors import APIError
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from tokenmill.request_limits import check_prompt
@@ -27,6 +28,7 @@ from tokenmill.tokenization import Tokenizer
 from workers.adapters import AdapterProblem, FetchAdapter, check_adapter_key, fetch_files
 from workers.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from workers.engine.block_manager import BlockRemoved, BlockStored
+from workers.engine.engine import Output, Timings
 from workers.engine.lora import AdapterBusy, AdapterError, LoraAdapter, load_adapter
 from workers.engine.process import EngineInfo, EngineProcess, EngineState
 
@@ -293,6 +295,8 @@ class EngineGenerator:
                 async with aclosing(outputs) as stream:
                     async for out in stream:
                         started = True
+                        if out.timings is not None:
+                            _engine_spans(out, out.timings)
                         yield GenerateDelta(
                             text=out.text,
                             token_ids=out.token_ids,
@@ -311,3 +315,30 @@ class EngineGenerator:
                 if started or attempt or req.adapter is None or self.engine is not None:
                     raise
                 await self.load_adapter(req.adapter, req.adapter_key)
+
+
+def _engine_spans(out: Output, t: Timings) -> None:
+    """A finished sequence's queueing, prefill and decode as spans of the request being served
+    (when traced: `tracing.CURRENT`), from the times the engine recorded on the way: its step
+    loop never calls into tracing."""
+    span = tracing.CURRENT.get()
+    if span is None:
+        return
+    arrived, scheduled, first, finished = tracing.wall_ns(
+        t.arrived, t.scheduled or t.finished, t.first_token or t.finished, t.finished
+    )
+    tracing.span_at("engine.queue", span, arrived, scheduled)
+    if t.scheduled:
+        prompt = {"tokenmill.prompt_tokens": out.prompt_tokens, "tokenmill.cached_tokens": out.cached_tokens}
+        tracing.span_at("engine.prefill", span, scheduled, first, attributes=prompt)
+    if t.first_token:
+        done = {"tokenmill.completion_tokens": out.completion_tokens, "tokenmill.preemptions": t.preemptions}
+        tracing.span_at("engine.decode", span, first, finished, attributes=done)
+    span.set_attributes(
+        {
+            "tokenmill.finish_reason": out.finish_reason or "",
+            "tokenmill.prompt_tokens": out.prompt_tokens,
+            "tokenmill.cached_tokens": out.cached_tokens,
+            "tokenmill.completion_tokens": out.completion_tokens,
+        }
+    )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import uvicorn
 
+from tokenmill import logs, tracing
 from tokenmill.bus import BusConfigError, Publisher, make_publisher
 from tokenmill.modelstore import model_name, resolve_model, sampling_defaults
 from tokenmill.net import bind, http_address
@@ -42,7 +43,7 @@ from tokenmill.request_limits import RequestLimits
 from tokenmill.settings import Settings
 from tokenmill.storage import open_storage
 from tokenmill.vllm_args import EngineArgError, decode_engine_args
-from workers.server import Generator, Load, RecentTtft, WorkerInfo, create_app
+from workers.server import Generator, Load, RecentTtft, Traffic, WorkerInfo, create_app
 
 if TYPE_CHECKING:
     from workers.encoder import EmbedBatcher
@@ -122,10 +123,7 @@ def run_worker(
     exit_with_parent: bool = False,
 ) -> int:
     """Run a worker until SIGTERM/SIGINT (or the parent's death); return the exit code."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+    logs.configure(settings.log_level, settings.log_format)
     # httpx logs every request at INFO: one line per heartbeat otherwise.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     parent_pid = os.getppid()  # before the slow load, so a parent dying meanwhile is noticed
@@ -226,10 +224,12 @@ def run_worker(
     advertised = settings.worker_advertise_host or host
     identity = _Identity(worker_id, deployment_id, http_address(advertised, bound_port), name)
     ttft = RecentTtft()
+    traffic = Traffic()
     app = create_app(
         generator,
         embedder=embedder,
         ttft=ttft,
+        traffic=traffic,
         token=token,
         limits=RequestLimits.from_settings(settings),
         info=WorkerInfo(
@@ -239,8 +239,10 @@ def run_worker(
             sampling=sampling_defaults(model, model_dir) if generator is not None else {},
         ),
     )
+    # OTEL_* settings: the gateway's trace goes on through /generate (its `traceparent`).
+    traced = tracing.setup("tokenmill-worker", instance=worker_id)
     config = uvicorn.Config(
-        app,
+        tracing.ServerSpans(app, paths=("/generate", "/embed"), remote=True) if traced else app,
         log_config=None,  # keep the process's logging setup
         access_log=False,
         # Never shorter than the longest stream (TOKENMILL_MAX_STREAM_SECONDS) a gateway lets run.
@@ -260,6 +262,7 @@ def run_worker(
                 parent_pid if exit_with_parent else None,
                 background=vllm.run if vllm is not None else None,
                 closing=vllm.aclose if vllm is not None else None,
+                traffic=traffic,
             )
         )
     finally:
@@ -280,6 +283,7 @@ async def _serve(
     *,
     background: Callable[[], Awaitable[None]] | None = None,
     closing: Callable[[], Awaitable[None]] | None = None,
+    traffic: Traffic | None = None,
 ) -> int:
     """Serve until told to stop; `generator` is None on an embed worker (no KV events).
     `background`: the backend's own work while serving (a vLLM worker's pollers and child
@@ -309,7 +313,11 @@ async def _serve(
     print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
     sys.stderr.flush()
 
-    tasks = [asyncio.create_task(_beat(publisher, settings, identity, load, ttft, draining, generator))]
+    tasks = [
+        asyncio.create_task(
+            _beat(publisher, settings, identity, load, ttft, draining, generator, traffic=traffic)
+        )
+    ]
     if generator is not None:
         tasks.append(asyncio.create_task(_publish_kv(publisher, settings, identity, generator)))
     if parent_pid is not None:
@@ -378,7 +386,10 @@ async def _beat(
     ttft: RecentTtft,
     draining: asyncio.Event,
     generator: Generator | None = None,
+    *,
+    traffic: Traffic | None = None,
 ) -> None:
+    traffic = traffic or Traffic()
     announced = False
     healthy = True
     while True:
@@ -407,6 +418,8 @@ async def _beat(
                 draining=was_draining,
                 ts=time.time(),
                 ttft_p95=ttft.p95(),
+                arrived=traffic.arrived,
+                finished=traffic.finished,
             )
         ok = await _publish(publisher, event, settings, first_failure=healthy)
         if ok and not healthy:

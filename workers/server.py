@@ -36,6 +36,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
+from tokenmill import logs
 from tokenmill.errors import APIError, exception_handlers
 from tokenmill.openai_shapes import (
     Prompt,
@@ -95,6 +96,17 @@ class RecentTtft:
             return None
         values = sorted(t for _, t in self._seen)
         return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)]
+
+
+class Traffic:
+    """Requests that reached this worker and that ended, since it started: heartbeats carry
+    both counts (the autoscaler's arrival rate) and /metrics the arrivals."""
+
+    __slots__ = ("arrived", "finished")
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.finished = 0
 
 
 T = TypeVar("T")
@@ -268,11 +280,19 @@ class _Metrics:
     success: Counter
 
     @classmethod
-    def create(cls, load: Load, model: str, generator: Generator | None) -> _Metrics:
+    def create(cls, load: Load, model: str, generator: Generator | None, traffic: Traffic) -> _Metrics:
         # A registry per app: several apps (tests, or future multi-model workers) in one
         # process must not collide in prometheus_client's global registry.
         registry = CollectorRegistry()
         labels = ["model_name"]
+        # Completions are vLLM's request_success; vLLM has no arrivals counter, so ours is named ours.
+        _EngineCounter(
+            "tokenmill_worker_requests_arrived",
+            "Requests that reached this worker (generation or embedding), since it started.",
+            model,
+            lambda: traffic.arrived,
+            registry,
+        )
         running = Gauge("vllm:num_requests_running", "Requests being run.", labels, registry=registry)
         running.labels(model).set_function(lambda: load.running)
         waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to start.", labels, registry=registry)
@@ -347,10 +367,12 @@ def create_app(
     ttft: RecentTtft | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
     limits: RequestLimits | None = None,
+    traffic: Traffic | None = None,
 ) -> Litestar:
     """The app of a generate worker (`generator`) or of an embed worker (`embedder`);
     `keepalive`: seconds without a delta after which a /generate stream sends an empty line;
-    `limits`: what one request may ask for (the gateway's, checked again for direct callers)."""
+    `limits`: what one request may ask for (the gateway's, checked again for direct callers);
+    `traffic`: where requests are counted (the heartbeats read it)."""
     if not token:
         raise ValueError("the worker needs an internal token")
     expected = token.encode()
@@ -365,19 +387,20 @@ def create_app(
         return None
 
     load: Load
+    traffic = traffic or Traffic()
     if generator is not None and embedder is None:
         load, kind = generator, "generate"
-        metrics = _Metrics.create(load, info.model, generator)
+        metrics = _Metrics.create(load, info.model, generator, traffic)
         handlers = _generation_routes(
-            generator, info, metrics, ttft or RecentTtft(), keepalive, limits or RequestLimits()
+            generator, info, metrics, ttft or RecentTtft(), keepalive, limits or RequestLimits(), traffic
         )
         handlers.append(
             _refusal("/embed", f"this worker serves the generative model '{info.model}', not embeddings")
         )
     elif embedder is not None and generator is None:
         load, kind = embedder, "embed"
-        metrics = _Metrics.create(load, info.model, None)
-        handlers = [_embed_route(embedder, info, metrics)]
+        metrics = _Metrics.create(load, info.model, None, traffic)
+        handlers = [_embed_route(embedder, info, metrics, traffic)]
         message = f"this worker serves the embedding model '{info.model}': it only answers /embed"
         handlers += [_refusal(path, message) for path in GENERATION_PATHS]
     else:
@@ -426,7 +449,9 @@ def _refusal(path: str, message: str) -> HTTPRouteHandler:
     return post(path, status_code=400, name=f"refuse{path}")(refuse)
 
 
-def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTTPRouteHandler:
+def _embed_route(
+    embedder: Embedder, info: WorkerInfo, metrics: _Metrics, traffic: Traffic
+) -> HTTPRouteHandler:
     encoder = msgspec.json.Encoder()
     decoder = msgspec.json.Decoder(EmbedRequest)
 
@@ -436,11 +461,13 @@ def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTT
             req = decoder.decode(await request.body())
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
             return error_response(400, f"invalid embed request: {exc}")
+        logs.bind(request_id=req.request_id, model=info.model)
         try:
             embedder.validate(req)
         except ValueError as exc:
             return error_response(400, str(exc), param=getattr(exc, "param", None))
         start = time.perf_counter()
+        traffic.arrived += 1
         try:
             result = await embedder.embed(req)
         except Exception:
@@ -448,6 +475,8 @@ def _embed_route(embedder: Embedder, info: WorkerInfo, metrics: _Metrics) -> HTT
             return error_response(
                 500, "The model failed while embedding.", code="engine_error", type_="server_error"
             )
+        finally:
+            traffic.finished += 1
         metrics.prompt_tokens.inc(result.prompt_tokens)
         metrics.e2e.observe(time.perf_counter() - start)
         metrics.success.labels(info.model, "stop").inc()
@@ -463,6 +492,7 @@ def _generation_routes(
     recent: RecentTtft,
     keepalive: float,
     limits: RequestLimits,
+    traffic: Traffic,
 ) -> list[HTTPRouteHandler]:
     """/generate and the OpenAI endpoints of a generate worker."""
     encoder = msgspec.json.Encoder()
@@ -473,24 +503,28 @@ def _generation_routes(
         start = last = time.perf_counter()
         first = True
         metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        # aclosing: when the client disconnects this generator is cancelled or closed,
-        # and the inner one must be closed too so that generation stops now.
-        async with aclosing(generator.generate(req)) as deltas:
-            async for delta in deltas:
-                if delta.token_ids:
-                    now = time.perf_counter()
-                    if first:
-                        metrics.ttft.observe(now - start)
-                        recent.observe(now - start)
-                        first = False
-                    else:
-                        metrics.itl.observe(now - last)
-                    last = now
-                metrics.generation_tokens.inc(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    metrics.success.labels(info.model, delta.finish_reason).inc()
-                    metrics.e2e.observe(time.perf_counter() - start)
-                yield delta
+        traffic.arrived += 1
+        try:
+            # aclosing: when the client disconnects this generator is cancelled or closed,
+            # and the inner one must be closed too so that generation stops now.
+            async with aclosing(generator.generate(req)) as deltas:
+                async for delta in deltas:
+                    if delta.token_ids:
+                        now = time.perf_counter()
+                        if first:
+                            metrics.ttft.observe(now - start)
+                            recent.observe(now - start)
+                            first = False
+                        else:
+                            metrics.itl.observe(now - last)
+                        last = now
+                    metrics.generation_tokens.inc(len(delta.token_ids))
+                    if delta.finish_reason is not None:
+                        metrics.success.labels(info.model, delta.finish_reason).inc()
+                        metrics.e2e.observe(time.perf_counter() - start)
+                    yield delta
+        finally:  # finished, failed or abandoned by its client: it no longer counts
+            traffic.finished += 1
 
     async def stream(req: GenerateRequest) -> AsyncIterator[bytes]:
         try:
@@ -542,6 +576,7 @@ def _generation_routes(
             req = decoder.decode(await request.body())
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
             return error_response(400, f"invalid generate request: {exc}")
+        logs.bind(request_id=req.request_id, model=info.model)  # the gateway's id: one id, both logs
         try:
             check_sampling(req.sampling, limits)  # e.g. 40,000 stop strings checked every token
             generator.validate(req)

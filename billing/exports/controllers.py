@@ -1,4 +1,4 @@
-"""Admin API of exports (HTTP only): usage, rollups or invoices of a range, streamed."""
+"""Admin API of exports (HTTP only): usage, refusals, rollups or invoices of a range, streamed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.exports.services import export_chunks, export_query
+from billing.exports.services import EXPORTS, export_chunks, export_query
 from control_plane.orgs.services import OrganizationService
 from control_plane.policy import WHILE_SUSPENDED, Principal
 from tokenmill.errors import APIError
@@ -35,10 +35,11 @@ class ExportController(Controller):
         end: Annotated[str | None, QueryParameter(name="to", description="Exclusive (default: now)")] = None,
         org: Annotated[str | None, QueryParameter(description="Organisation id or name")] = None,
     ) -> Stream:
-        """Per-request usage, hourly rollups or invoices (with their lines) of a range, as
-        CSV or JSON, streamed from a database cursor: any range in bounded memory."""
-        if what not in ("usage", "rollups", "invoices"):
-            raise APIError(404, f"No export '{what}': usage, rollups or invoices.", code="not_found")
+        """Per-request usage, refused requests per key and minute, hourly rollups or invoices
+        (with their lines) of a range, as CSV or JSON, streamed from a database cursor: any
+        range in bounded memory."""
+        if what not in EXPORTS:
+            raise APIError(404, f"No export '{what}': {', '.join(EXPORTS)}.", code="not_found")
         query = export_query(
             what, format, start, end, await OrganizationService(session=db_session).scope(org, admin)
         )

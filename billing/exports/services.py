@@ -1,4 +1,4 @@
-"""Exports of the ledger, the rollups and the invoices, as CSV or JSON.
+"""Exports of the ledger, the refusal counts, the rollups and the invoices, as CSV or JSON.
 
 Streamed from a database cursor in chunks, so any range takes bounded memory. Money and
 quantities are written as strings (exact decimals), times as ISO 8601 in UTC. The admin
@@ -21,11 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.common import as_utc, cents, iso, plain, time_range
 from billing.invoices.services import invoice_number
-from billing.models import Invoice, InvoiceLine, UsageEvent, UsageRollup
+from billing.models import Invoice, InvoiceLine, Refusal, UsageEvent, UsageRollup
 from billing.rollups.services import KEY_COLUMNS
 from tokenmill.errors import APIError
 
-EXPORTS = ("usage", "rollups", "invoices")
+EXPORTS = ("usage", "refusals", "rollups", "invoices")
 FORMATS = ("csv", "json")
 CHUNK_BYTES = 64 * 1024
 FETCH_ROWS = 1000  # rows per round trip of the server-side cursor
@@ -49,6 +49,9 @@ USAGE_COLUMNS = (
     "service_tier",
     "batch_id",
 )
+# Requests refused before any worker ran them (which the ledger does not hold), per
+# organisation, key, reason (gateway/metrics.py's REASONS) and UTC minute.
+REFUSAL_COLUMNS = ("minute", "org_id", "api_key_id", "reason", "count")
 ROLLUP_COLUMNS = (
     "hour",
     "org_id",
@@ -146,6 +149,21 @@ def _usage_cells(row: Sequence[Any]) -> tuple[Any, ...]:
     return (row[0], iso(row[1]), *row[2:])
 
 
+def _refusals_stmt(q: ExportQuery) -> Any:
+    stmt = select(*(getattr(Refusal, c) for c in REFUSAL_COLUMNS)).where(
+        Refusal.minute >= q.start, Refusal.minute < q.end
+    )
+    if q.org_id is not None:
+        stmt = stmt.where(Refusal.org_id == q.org_id)
+    if q.key_id is not None:
+        stmt = stmt.where(Refusal.api_key_id == q.key_id)
+    return stmt.order_by(Refusal.minute, Refusal.org_id, Refusal.api_key_id, Refusal.reason)
+
+
+def _refusal_cells(row: Sequence[Any]) -> tuple[Any, ...]:
+    return (iso(row[0]), *row[1:4], int(row[4]))
+
+
 def _rollups_stmt(q: ExportQuery) -> Any:
     stmt = select(*(getattr(UsageRollup, c) for c in ROLLUP_COLUMNS)).where(
         UsageRollup.hour >= q.start, UsageRollup.hour < q.end
@@ -227,6 +245,7 @@ def _invoice_cells(row: Sequence[Any]) -> tuple[Any, ...]:
 
 EXPORT_SHAPES = {
     "usage": (_usage_stmt, _usage_cells, USAGE_COLUMNS),
+    "refusals": (_refusals_stmt, _refusal_cells, REFUSAL_COLUMNS),
     "rollups": (_rollups_stmt, _rollup_cells, ROLLUP_COLUMNS),
     "invoices": (_invoices_stmt, _invoice_cells, INVOICE_COLUMNS + tuple(f"line_{c}" for c in LINE_COLUMNS)),
 }

@@ -10,17 +10,17 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Annotated, Any
 
-from litestar import Controller, Request, get, post
+from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.common import as_utc, cents, month_bounds
+from billing.invoices.pdf import PDF_MEDIA_TYPE, invoice_pdf, pdf_filename
 from billing.invoices.schemas import InvoiceGenerate, InvoiceGenerateOut, InvoiceLineOut, InvoiceOut
-from billing.invoices.services import finalize_invoice, get_invoice, invoice_number, list_invoices
+from billing.invoices.services import finalize_invoice_as, get_invoice, invoice_number, list_invoices
 from billing.jobs import build_invoices
 from billing.models import Invoice, InvoiceLine
-from control_plane.audit.services import record_change, snapshot
 from control_plane.orgs.services import OrganizationService
 from control_plane.policy import WHILE_SUSPENDED, Principal, require_platform_admin
 
@@ -116,6 +116,23 @@ class InvoiceController(Controller):
         org_id = None if admin.is_platform_admin else admin.org_id or ""
         return _invoice_out(await get_invoice(db_session, invoice_id, org_id=org_id), lines=True)
 
+    @get("/{invoice_id:str}/pdf", opt=WHILE_SUSPENDED, media_type=PDF_MEDIA_TYPE)
+    async def invoice_pdf(
+        self,
+        invoice_id: FromPath[str],
+        admin: NamedDependency[Principal],
+        db_session: NamedDependency[AsyncSession],
+    ) -> Response[bytes]:
+        """The invoice as a PDF: its lines, totals, currency and period, and its number once
+        finalized (a draft says so, with its id)."""
+        org_id = None if admin.is_platform_admin else admin.org_id or ""
+        invoice = await get_invoice(db_session, invoice_id, org_id=org_id)
+        return Response(
+            await invoice_pdf(db_session, invoice),
+            media_type=PDF_MEDIA_TYPE,
+            headers={"content-disposition": f'attachment; filename="{pdf_filename(invoice)}"'},
+        )
+
     @post("/{invoice_id:str}/finalize", status_code=200)
     async def finalize_invoice(
         self,
@@ -128,21 +145,5 @@ class InvoiceController(Controller):
         ] = False,
     ) -> InvoiceOut:
         """Freeze a draft as it stands and number it; finalizing a finalized one is a no-op."""
-        if not admin.is_platform_admin:
-            # Org admins learn nothing about other tenants' ids: 404 unless it is theirs.
-            await get_invoice(db_session, invoice_id, org_id=admin.org_id or "")
-        require_platform_admin(admin, "finalize invoices")
-        before = snapshot(await get_invoice(db_session, invoice_id))
-        invoice, changed = await finalize_invoice(db_session, invoice_id, force=force)
-        if changed:
-            await record_change(
-                db_session,
-                admin,
-                "finalize",
-                "invoice",
-                invoice.id,
-                org_id=invoice.org_id,
-                before=before,
-                after=invoice,
-            )
+        invoice, _ = await finalize_invoice_as(db_session, admin, invoice_id, force=force)
         return _invoice_out(invoice, lines=True)

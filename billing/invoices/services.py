@@ -18,9 +18,11 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from billing.common import PER, as_utc, cents, dialect, dialect_insert, month_bounds, plain
+from billing.common import PER, as_utc, cents, dialect, dialect_insert, month_bounds, price_text
 from billing.models import METERS, Invoice, InvoiceLine, Price, UsageRollup
+from control_plane.audit.services import record_change, snapshot
 from control_plane.catalog.models import Adapter, Deployment
+from control_plane.policy import Principal, require_platform_admin
 from tokenmill.db import new_id, utcnow
 from tokenmill.errors import APIError
 
@@ -184,10 +186,10 @@ def _describe(
         gpu = names.get(price_id) or "GPU"
         return (
             f"Dedicated deployment {names.get(dep, dep)} ({model}, {gpu}): GPU time "
-            f"at {plain(unit_price)} {currency} per GPU-hour"
+            f"at {price_text(unit_price, currency)} per GPU-hour"
         )
     on = f" with adapter {names.get(adapter, adapter)}" if adapter else ""
-    return f"{model}{on}: {METER_LABELS[meter]} at {plain(unit_price)} {currency} per 1M tokens"
+    return f"{model}{on}: {METER_LABELS[meter]} at {price_text(unit_price, currency)} per 1M tokens"
 
 
 async def build_invoice_drafts(
@@ -314,6 +316,30 @@ async def finalize_invoice(
     await session.flush()
     log.info("finalized invoice %s as %s", invoice.id, invoice_number(invoice.number))
     return invoice, True
+
+
+async def finalize_invoice_as(
+    session: AsyncSession, admin: Principal, invoice_id: str, *, force: bool = False
+) -> tuple[Invoice, bool]:
+    """`finalize_invoice` by an admin, with its audit entry: only platform admins finalize;
+    an organisation admin learns nothing of other tenants' ids (404 unless it is theirs)."""
+    if not admin.is_platform_admin:
+        await get_invoice(session, invoice_id, org_id=admin.org_id or "")
+    require_platform_admin(admin, "finalize invoices")
+    before = snapshot(await get_invoice(session, invoice_id))
+    invoice, changed = await finalize_invoice(session, invoice_id, force=force)
+    if changed:
+        await record_change(
+            session,
+            admin,
+            "finalize",
+            "invoice",
+            invoice.id,
+            org_id=invoice.org_id,
+            before=before,
+            after=invoice,
+        )
+    return invoice, changed
 
 
 async def get_invoice(session: AsyncSession, invoice_id: str, *, org_id: str | None = None) -> Invoice:

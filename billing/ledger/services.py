@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,6 +19,7 @@ from sqlalchemy import bindparam, case, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.common import bucket_edges, dialect, dialect_insert, per_bucket
+from billing.ledger.metrics import LedgerMetrics
 from billing.models import UsageEvent
 from tokenmill.bus import Entry, EventBus
 from tokenmill.db import utcnow
@@ -134,10 +136,18 @@ class UsageConsumer(GroupConsumer):
     # of 500 (bench/billing.py); a failed batch is redelivered whole, which the ledger absorbs.
     count = 2000
 
-    def __init__(self, bus: EventBus, sessionmaker: async_sessionmaker[AsyncSession], consumer: str) -> None:
+    def __init__(
+        self,
+        bus: EventBus,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        consumer: str,
+        *,
+        metrics: LedgerMetrics | None = None,
+    ) -> None:
         super().__init__(bus, consumer)
         self.sessionmaker = sessionmaker
         self._decoder = msgspec.json.Decoder(UsageRecord)
+        self.metrics = metrics or LedgerMetrics.create()
 
     async def handle(self, entries: list[Entry]) -> None:
         records = []
@@ -148,6 +158,11 @@ class UsageConsumer(GroupConsumer):
                 log.error("dropping malformed usage event: %r", raw[:200])
         async with self.sessionmaker() as session, session.begin():
             await record_usage(session, records)
+        self.metrics.batches.inc()
+        self.metrics.events.inc(len(records))
+        newest = max((r.ts for r in records), default=0.0)
+        if newest:
+            self.metrics.lag.set(max(0.0, time.time() - newest))
 
 
 # --- usage over time ------------------------------------------------------------------------

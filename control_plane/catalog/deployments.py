@@ -38,7 +38,7 @@ from control_plane.policy import (
 from tokenmill.errors import APIError
 
 if TYPE_CHECKING:
-    from control_plane.catalog.schemas import DeploymentCreate, DeploymentUpdate
+    from control_plane.catalog.schemas import Autoscaling, DeploymentCreate, DeploymentUpdate
 
 
 def _footprint(dep: Deployment) -> tuple[int, int]:
@@ -47,6 +47,20 @@ def _footprint(dep: Deployment) -> tuple[int, int]:
     if dep.status == STOPPED:
         return 0, 0
     return dep.max_replicas, dep.max_replicas * dep.gpus_per_replica
+
+
+def _check_autoscaling(scaling: Autoscaling | None) -> None:
+    """Settings that only work with a target rate are refused without one, rather than ignored."""
+    if scaling is None or scaling.target_rate is not None:
+        return
+    for name in ("drain_time_seconds", "forecast", "forecast_lead_seconds"):
+        if getattr(scaling, name) not in (None, False):
+            raise APIError(
+                400,
+                f"autoscaling.{name} works from the arrival rate: set autoscaling.target_rate "
+                "(requests per second one replica should take) too.",
+                param=f"autoscaling.{name}",
+            )
 
 
 def _check_replicas(low: int, high: int) -> None:
@@ -156,6 +170,7 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
                 raise APIError(404, f"No organisation '{org_id}'.", code="not_found", param="org_id")
         org_id = org.id if org is not None else None
         _check_replicas(data.min_replicas, data.max_replicas)
+        _check_autoscaling(data.autoscaling)
         await self._check_name(data.name, org_id)
         adapters = await _check_adapters(session, data.adapters, org_id, model.id)
         config: dict[str, Any] = {"adapters": adapters} if adapters else {}
@@ -279,6 +294,7 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
             pinned = await _check_adapters(session, changes.pop("adapters"), dep.org_id, dep.model_id)
             _with_config(dep, "adapters", pinned)
         if "autoscaling" in changes:
+            _check_autoscaling(changes["autoscaling"])
             _with_config(dep, "autoscaling", msgspec.to_builtins(changes.pop("autoscaling")))
         if dep.org_id is not None and "gpu_type" in changes:
             await self._check_gpu_type(changes["gpu_type"])

@@ -59,11 +59,20 @@ class Autoscaling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     take the autoscaler's defaults (autoscaler/policy.py)."""
 
     target_concurrency: Annotated[float, Meta(gt=0, le=10_000)] | None = None  # requests per replica
+    # Requests/s one replica should take: the fleet also follows the arrival rate its workers
+    # report, ahead of the queue that concurrency waits for. Unset: concurrency alone.
+    target_rate: Annotated[float, Meta(gt=0, le=100_000)] | None = None
     target_ttft_seconds: Seconds | None = None  # p95; above it the fleet grows
     stable_window_seconds: Seconds | None = None
     panic_window_seconds: Seconds | None = None
     scale_down_cooldown_seconds: Seconds | None = None
     scale_to_zero_grace_seconds: Seconds | None = None  # idle time before a min-0 deployment stops
+    # With target_rate: a backlog asks for the replicas that clear it in this time, not one per
+    # target_concurrency of it.
+    drain_time_seconds: Seconds | None = None
+    # With target_rate: start replicas ahead of a burst that recurs (its period is learned).
+    forecast: bool | None = None
+    forecast_lead_seconds: Seconds | None = None  # how far ahead: longer than a cold start
 
 
 class DeploymentCreate(Body):

@@ -8,13 +8,14 @@ so a revoked key stops working everywhere within a second.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from advanced_alchemy.repository import SQLAlchemyAsyncRepository
 from advanced_alchemy.service import SQLAlchemyAsyncRepositoryService
-from sqlalchemy import or_, select
+from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from control_plane.audit.services import record_change, snapshot
@@ -196,6 +197,22 @@ async def find_key_by_id(
     )
     row = result.first()
     return None if row is None else (row[0], row[1], row[2])
+
+
+async def record_key_use(session: AsyncSession, used: Mapping[str, datetime]) -> None:
+    """Set each key's `last_used_at` to its time in `used`, unless it already holds a later
+    one (another gateway's): a last use never moves back. One statement for all of them, in
+    key order, so gateways writing at once lock rows in the same order."""
+    if not used:
+        return
+    keys = ApiKey.__table__
+    at = bindparam("at", type_=keys.c.last_used_at.type)
+    stmt = (
+        update(keys)
+        .where(keys.c.id == bindparam("key_id"), or_(keys.c.last_used_at.is_(None), keys.c.last_used_at < at))
+        .values(last_used_at=at)
+    )
+    await session.execute(stmt, [{"key_id": key_id, "at": t} for key_id, t in sorted(used.items())])
 
 
 def check_key(secret: str, key: ApiKey | None, secret_key: str) -> ApiKey:

@@ -6,6 +6,15 @@ function csrfToken() {
   return meta ? meta.content : "";
 }
 
+// Irreversible actions ask first: a form with data-confirm posts only once the admin says yes.
+// Listening in the capture phase, a refused submit never reaches the form's own handlers.
+document.addEventListener("submit", (event) => {
+  const form = event.target.closest("form[data-confirm]");
+  if (!form || window.confirm(form.dataset.confirm)) return;
+  event.preventDefault();
+  event.stopPropagation();
+}, true);
+
 // "Copy" next to a new key's secret.
 document.addEventListener("click", (event) => {
   const button = event.target.closest("[data-copy]");

@@ -166,6 +166,27 @@ def test_decide_is_pure() -> None:
     assert state == PolicyState()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"target_concurrency": 0},  # what bench/autoscale_sim.py's calibration once set: a ZeroDivisionError
+        {"target_concurrency": -1},
+        {"target_concurrency": float("nan")},
+        {"target_rate": 0.0},
+        {"target_ttft": -0.5},
+        {"drain_time": 0},
+        {"stable_window": 0},
+        {"season_bucket": 0},
+    ],
+)
+def test_a_target_of_zero_or_less_is_refused(bad: dict[str, float]) -> None:
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"{name} must be above 0"):
+        PolicyConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=name):
+        replace(CFG, **bad)  # the bench builds its config this way
+
+
 # --- arrival rate (Little's law) ------------------------------------------------------------
 
 RATE = PolicyConfig(target_concurrency=10, target_rate=1.0, min_replicas=1, max_replicas=20)

@@ -7,26 +7,39 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import generate_latest
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from autoscaler.leader import RedisLease, SoleLease
+from autoscaler.policy import PolicyConfig, PolicyState, decide
 from autoscaler.providers import WorkerSpec
 from autoscaler.reconciler import Reconciler, desired_deployments, policy_config
 from control_plane.catalog.models import SUSPENDED, Deployment, Model
 from tokenmill.bus import MemoryBus
 from tokenmill.db import Base, make_engine, make_sessionmaker
-from tokenmill.protocol import DEMAND, WORKERS, Demand, Heartbeat, WorkerDeparture, WorkerEvent
+from tokenmill.protocol import (
+    DEMAND,
+    WORKERS,
+    Demand,
+    Heartbeat,
+    WorkerAnnounce,
+    WorkerDeparture,
+    WorkerEvent,
+)
 
 
 @dataclass
 class Recorder:
     """Keeps `replicas` per deployment exactly as asked, and logs every call."""
 
+    name = "recorder"
     counts: dict[str, int] = field(default_factory=dict)
     calls: list[tuple] = field(default_factory=list)
 
@@ -87,10 +100,9 @@ def _reconciler(db: async_sessionmaker[AsyncSession], provider: Recorder, **kw: 
     )
 
 
-def _beat(dep: str, worker: str, running: int = 0, waiting: int = 0, **kw: object) -> Heartbeat:
-    return Heartbeat(
-        worker, dep, f"http://{worker}", "m", running=running, waiting=waiting, ts=time.time(), **kw
-    )
+def _beat(dep: str, worker: str, running: int = 0, waiting: int = 0, **kw: Any) -> Heartbeat:
+    kw.setdefault("ts", time.time())
+    return Heartbeat(worker, dep, f"http://{worker}", "m", running=running, waiting=waiting, **kw)
 
 
 async def test_desired_state_comes_from_active_deployments(db: async_sessionmaker[AsyncSession]) -> None:
@@ -181,8 +193,10 @@ async def test_a_deployment_the_provider_refuses_does_not_hold_up_the_others(
     bad = await _deployment(db, "bad", 1, 1)
     good = await _deployment(db, "good", 2, 2)
     provider = Refuses(refused=bad)
-    await _reconciler(db, provider).tick()
+    rec = _reconciler(db, provider)
+    await rec.tick()
     assert provider.counts == {good: 2}
+    assert _value(rec, "tokenmill_autoscaler_provider_errors_total", provider="recorder") == 1
     assert f"cannot reconcile deployment {bad}" in caplog.text and "TOKENMILL_VLLM_IMAGE" in caplog.text
 
 
@@ -252,11 +266,15 @@ async def test_stopped_deployments_lose_their_workers(db: async_sessionmaker[Asy
     provider = Recorder()
     rec = _reconciler(db, provider)
     await rec.tick()
+    assert _value(rec, "tokenmill_autoscaler_desired_replicas", deployment=dep) == 1
     async with db() as session, session.begin():
         (await session.get(Deployment, dep)).status = "stopped"  # type: ignore[union-attr]
     await rec.tick()
     assert provider.calls[-1] == ("remove", dep)
     assert await provider.managed() == []
+    # Its series go too: a stopped deployment is not one whose replicas are missing.
+    text = generate_latest(rec.metrics.registry).decode()
+    assert "tokenmill_autoscaler_desired_replicas" in text and dep not in text
 
 
 async def test_a_suspended_organisations_deployment_is_held_at_zero_and_comes_back(
@@ -358,3 +376,93 @@ def test_policy_settings_map_onto_the_policy() -> None:
     config = policy_config(dep)
     assert (config.min_replicas, config.max_replicas) == (0, 5)
     assert (config.target_ttft, config.scale_to_zero_grace) == (1.5, 30)
+
+
+def test_the_arrival_rate_settings_map_onto_the_policy(caplog: pytest.LogCaptureFixture) -> None:
+    settings = {"target_rate": 2.5, "drain_time_seconds": 20, "forecast": True, "forecast_lead_seconds": 90}
+    config = policy_config(Deployment(id="d1", name="x", model_id="m", config={"autoscaling": settings}))
+    assert (config.target_rate, config.drain_time, config.forecast) == (2.5, 20, True)
+    assert config.forecast_lead == 90
+    # A zero target written before the admin API refused one: the defaults, said once.
+    bad = Deployment(
+        id="d2", name="y", model_id="m", min_replicas=1, max_replicas=4,
+        config={"autoscaling": {"target_concurrency": 0, "target_rate": 3}},
+    )  # fmt: skip
+    for _ in range(3):
+        config = policy_config(bad)
+        assert config == PolicyConfig(min_replicas=1, max_replicas=4)
+    refused = [r for r in caplog.records if "autoscaling settings are ignored" in r.getMessage()]
+    assert len(refused) == 1 and "target_concurrency must be above 0" in refused[0].getMessage()
+
+
+def _value(rec: Reconciler, name: str, **labels: str) -> float | None:
+    return rec.metrics.registry.get_sample_value(name, labels)
+
+
+async def test_arrivals_scale_up_while_concurrency_is_within_target(
+    db: async_sessionmaker[AsyncSession],
+) -> None:
+    """Requests arrive at 8/s on one replica that carries 3 at a time (target 8): concurrency
+    wants 1 replica, the arrival rate (target 2/s) wants 4, before any queue builds."""
+    dep = await _deployment(
+        db,
+        "chat",
+        1,
+        5,
+        target_concurrency=8,
+        target_rate=2,
+        stable_window_seconds=10,
+        panic_window_seconds=2,
+    )
+    provider = Recorder(counts={dep: 1})
+    rec = _reconciler(db, provider)
+    t0 = time.time()
+    rec.table.apply(WorkerAnnounce("w1", dep, "http://w1", "m", ts=t0))
+    rec.table.apply(_beat(dep, "w1", running=3, ts=t0 + 1, arrived=8, finished=5))
+    await rec.tick()
+    decision = rec.decisions[dep]
+    assert provider.counts[dep] == decision.desired == 4
+    assert "rate 8.00/s" in decision.reason
+    samples = rec.samples[dep].samples()
+    assert [s.arrival_rate for s in samples] == [8.0]
+    assert all(s.running + s.waiting <= 8 for s in samples)  # within one replica's target...
+    config = replace((await desired_deployments(db))[dep].config, target_rate=None)
+    assert decide(config, samples, 1, PolicyState(), samples[-1].ts).desired == 1  # ...as concurrency alone
+
+    assert _value(rec, "tokenmill_autoscaler_arrival_rate", deployment=dep) == 8.0
+    assert _value(rec, "tokenmill_autoscaler_desired_replicas", deployment=dep) == 4
+    assert _value(rec, "tokenmill_autoscaler_actual_replicas", deployment=dep) == 1
+    assert _value(rec, "tokenmill_autoscaler_scaling_decisions_total", deployment=dep, direction="up") == 1
+    assert _value(rec, "tokenmill_autoscaler_cold_starts_total", deployment=dep) == 3
+    # Two of the three come up: their cold starts are timed, the third is still starting.
+    for worker in ("w2", "w3"):
+        rec.table.apply(WorkerAnnounce(worker, dep, f"http://{worker}", "m", ts=time.time()))
+    assert _value(rec, "tokenmill_autoscaler_cold_start_seconds_count", deployment=dep) == 2
+    assert len(rec.starting[dep]) == 1
+    # A worker of another deployment, or one heard without an announcement, times nothing.
+    rec.table.apply(WorkerAnnounce("x1", "other", "http://x1", "m", ts=time.time()))
+    rec.table.apply(_beat(dep, "w9", ts=time.time()))
+    assert _value(rec, "tokenmill_autoscaler_cold_start_seconds_count", deployment=dep) == 2
+
+
+async def test_the_process_running_the_reconciler_serves_its_metrics(tmp_path: Path) -> None:
+    """`tokenmill autoscaler` (and `serve`) serve the reconciler's own registry at /metrics."""
+    from litestar.testing import AsyncTestClient
+
+    from tokenmill.app import Parts, create_app
+    from tokenmill.settings import Settings
+
+    settings = Settings(
+        home=tmp_path, database_url=f"sqlite:///{tmp_path}/tm.db", internal_token="metrics-token"
+    )
+    engine = make_engine(settings.db_url)
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    app = create_app(settings, engine, Parts(autoscaler=True))
+    rec = app.state.reconciler
+    rec.metrics.provider_errors.labels("local").inc()
+    async with AsyncTestClient(app) as client:
+        r = await client.get("/metrics", headers={"Authorization": "Bearer metrics-token"})
+    assert r.status_code == 200
+    assert 'tokenmill_autoscaler_provider_errors_total{provider="local"} 1.0' in r.text
+    assert "# TYPE tokenmill_autoscaler_cold_start_seconds histogram" in r.text

@@ -219,7 +219,7 @@ async def test_invoices_through_the_api(api: Api) -> None:
         "0.44",
         "usd",
     )
-    assert inv["lines"][0]["description"] == "small-model: input tokens at 0.15 usd per 1M tokens"
+    assert inv["lines"][0]["description"] == "small-model: input tokens at 0.15 USD per 1M tokens"
 
     r = await c.post(f"/admin/v1/invoices/{ids[w.org_a]}/finalize", headers=api.h("platform"))
     assert r.status_code == 200, r.text

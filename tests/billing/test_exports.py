@@ -199,7 +199,7 @@ async def test_exports_tell_batch_usage_apart(api: Api) -> None:
         ("batch_output", "0.03"),
     ]
     assert invoice["total"] == "0.22"
-    assert invoice["lines"][1]["description"] == "small-model: batch input tokens at 0.075 usd per 1M tokens"
+    assert invoice["lines"][1]["description"] == "small-model: batch input tokens at 0.075 USD per 1M tokens"
 
 
 async def test_exports_are_confined_to_the_callers_tenant(api: Api) -> None:

@@ -208,7 +208,7 @@ async def test_gpu_hours_of_dedicated_deployments(
     ]
     assert invoice.total == Decimal("11.56")
     assert invoice.lines[0].description == (
-        "Dedicated deployment acme-big (big-model, a100): GPU time at 2.5 usd per GPU-hour"
+        "Dedicated deployment acme-big (big-model, a100): GPU time at 2.50 USD per GPU-hour"
     )
     assert w.org_b not in await _invoices(sm)
 
@@ -443,9 +443,9 @@ async def test_batch_usage_has_its_own_lines_at_the_discount(
     ]
     assert invoice.total == invoice.subtotal == Decimal("2.76")
     assert [x.description for x in invoice.lines if x.model == "small-model"][3:] == [
-        "small-model: batch input tokens at 0.075 usd per 1M tokens",
-        "small-model: batch cached input tokens at 0.0375 usd per 1M tokens",
-        "small-model: batch output tokens at 0.3 usd per 1M tokens",
+        "small-model: batch input tokens at 0.075 USD per 1M tokens",
+        "small-model: batch cached input tokens at 0.0375 USD per 1M tokens",
+        "small-model: batch output tokens at 0.30 USD per 1M tokens",
     ]
     # The dedicated deployment has no GPU price here, and its tokens are free: no invoice.
     assert w.org_b not in await _invoices(sm)

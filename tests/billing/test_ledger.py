@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
+import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -51,6 +53,22 @@ async def test_consumer_moves_events_into_the_ledger(migrated_db: async_sessionm
     finally:
         await consumer.stop()
         await bus.close()
+
+
+async def test_consumer_counts_events_and_batches_and_reports_its_lag(
+    migrated_db: async_sessionmaker[AsyncSession],
+) -> None:
+    consumer = UsageConsumer(MemoryBus(), migrated_db, "c1")
+    sent = time.time() - 5.0  # the newest event was published five seconds ago
+    records = [msgspec.structs.replace(_rec(i), ts=sent - i) for i in range(3)]
+    entries = [(f"{i}-0", msgspec.json.encode(r)) for i, r in enumerate(records)]
+    await consumer.handle(entries)
+    await consumer.handle(entries[1:2])  # redelivered: consumed again, skipped by the ledger
+    registry = consumer.metrics.registry
+    assert registry.get_sample_value("tokenmill_ledger_events_total") == 4
+    assert registry.get_sample_value("tokenmill_ledger_batches_total") == 2
+    # The newest event of the last batch (entries[1]) was six seconds old when it was written.
+    assert 6.0 <= (registry.get_sample_value("tokenmill_ledger_lag_seconds") or 0.0) < 60
 
 
 async def test_ledger_stores_the_request_context(migrated_db: async_sessionmaker[AsyncSession]) -> None:

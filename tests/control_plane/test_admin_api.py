@@ -568,6 +568,39 @@ async def test_bad_deployments_are_refused_naming_the_param(
     error(r, r.status_code, param)
 
 
+async def test_autoscaling_settings_per_deployment(admin_env: AdminEnv) -> None:
+    """The policy's arrival-rate settings are set per deployment; a zero target is a 400 (it
+    would divide the load by zero), and so are rate settings without a target rate."""
+    c, h = admin_env.client, admin_env.root
+    scaling = {
+        "target_concurrency": 4,
+        "target_rate": 1.5,
+        "drain_time_seconds": 30,
+        "forecast": True,
+        "forecast_lead_seconds": 45,
+    }
+    body = {"name": "smol-scaled", "model": MODEL, "type": "serverless", "autoscaling": scaling}
+    r = await c.post(f"{API}/deployments", headers=h, json=body)
+    assert r.status_code == 201, r.text
+    dep = r.json()
+    assert dep["autoscaling"] == scaling
+    path = f"{API}/deployments/{dep['id']}"
+    for bad, param in [
+        ({"target_concurrency": 0}, "target_concurrency"),
+        ({"target_concurrency": -2}, "target_concurrency"),
+        ({"target_rate": 0}, "target_rate"),
+        ({"drain_time_seconds": 0, "target_rate": 1}, "drain_time_seconds"),
+        ({"forecast": True}, "forecast"),  # without a target rate: nothing to forecast
+        ({"drain_time_seconds": 10}, "drain_time_seconds"),
+    ]:
+        error(await c.patch(path, headers=h, json={"autoscaling": bad}), 400, f"autoscaling.{param}")
+    zero = body | {"name": "z", "autoscaling": {"target_concurrency": 0}}
+    error(await c.post(f"{API}/deployments", headers=h, json=zero), 400, "autoscaling.target_concurrency")
+    assert (await c.get(path, headers=h)).json()["autoscaling"] == scaling  # none of it was written
+    r = await c.patch(path, headers=h, json={"autoscaling": {"target_concurrency": 2, "target_rate": 0.5}})
+    assert r.status_code == 200 and r.json()["autoscaling"] == {"target_concurrency": 2, "target_rate": 0.5}
+
+
 async def test_serverless_deployment_by_a_platform_admin(admin_env: AdminEnv) -> None:
     c, h = admin_env.client, admin_env.root
     r = await c.post(

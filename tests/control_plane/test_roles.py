@@ -132,6 +132,7 @@ CASES: dict[str, list[Op]] = {
         Op("GET", "/invoices", "/invoices?org={org_name}&month=2025-01"),
         Op("POST", "/invoices/generate", "/invoices/generate", {"month": "2025-01"}, admin=403),
         Op("GET", "/invoices/{invoice_id}", "/invoices/{invoice}"),
+        Op("GET", "/invoices/{invoice_id}/pdf", "/invoices/{invoice}/pdf"),
         Op("POST", "/invoices/{invoice_id}/finalize", "/invoices/{invoice}/finalize?force=true"),
         Op("GET", "/exports/{what}", "/exports/invoices?org={org}&from=2025-01"),
         Op("GET", "/exports/{what}", "/exports/invoices?from=2025-01&to=2025-02", admin=200),

@@ -142,13 +142,14 @@ async def _world(env: AdminEnv) -> tuple[dict[str, Any], dict[str, Any], str]:
 
 
 async def _refused(s: Session, path: str, data: dict[str, str]) -> None:
-    """A 404 page, or back to a page whose message says why not."""
+    """A 404 (or, for what only platform admins do, 403) page, or back to a page whose
+    message says why not."""
     r = await s.post(path, data)
     if r.status_code == 303:
         r = await s.client.get(r.headers["location"], follow_redirects=True)
         assert 'class="flash error"' in r.text, (path, r.text[:2000])
     else:
-        assert r.status_code == 404, (path, r.status_code)
+        assert r.status_code in (403, 404), (path, r.status_code)
 
 
 async def _wait_for_worker(s: Session, dep_id: str, worker: str) -> None:
@@ -191,6 +192,7 @@ async def test_an_org_admin_sees_only_their_organisation(admin_env: AdminEnv) ->
         f"/invoices/{inv}": [inv],
         f"/invoices/{inv}/download/csv": [inv],
         f"/invoices/{inv}/download/json": [inv],
+        f"/invoices/{inv}/download/pdf": ["%PDF-"],  # its text: tests/dashboard/test_billing_pages.py
         "/prices": [MODEL],
     }
     forbidden = _markers(bravo)
@@ -216,6 +218,7 @@ async def test_an_org_admin_sees_only_their_organisation(admin_env: AdminEnv) ->
         f"/invoices?org={b_org}",
         f"/invoices/{bravo['invoices'][0]}",
         f"/invoices/{bravo['invoices'][0]}/download/json",
+        f"/invoices/{bravo['invoices'][0]}/download/pdf",
         f"/deployments/{bravo['dep']['id']}",
         f"/deployments/{bravo['dep']['id']}/workers",
     ]:
@@ -241,6 +244,10 @@ async def test_an_org_admin_sees_only_their_organisation(admin_env: AdminEnv) ->
         ("/prices/models", {"model": MODEL, "input_per_mtok": "0", "output_per_mtok": "0"}),
         ("/prices/gpus", {"gpu_type": "sneaky-gpu", "per_hour": "0"}),
         ("/plans", {"name": "sneaky-plan"}),
+        ("/rollups", {}),
+        ("/invoices/generate", {"month": month}),
+        (f"/invoices/{inv}/finalize", {}),
+        (f"/invoices/{bravo['invoices'][0]}/finalize", {}),
     ]:
         await _refused(s, path, data)
     root = env.root
@@ -262,6 +269,7 @@ async def test_an_org_admin_sees_only_their_organisation(admin_env: AdminEnv) ->
     assert "sneaky-plan" not in plans
     gpus = {p["gpu_type"] for p in (await c.get(f"{API}/prices/gpus", headers=root)).json()}
     assert "sneaky-gpu" not in gpus
+    assert {i["status"] for i in (await c.get(f"{API}/invoices", headers=root)).json()} == {"draft"}
     # the audit log agrees: every change on bravo was the setup's, by the root key
     audit = (await c.get(f"{API}/audit", headers=root, params={"org_id": b_org})).json()["data"]
     assert {e["actor_user_id"] for e in audit} == {None}

@@ -1,11 +1,18 @@
-"""A worker process that speaks the real worker protocol without a model (for load and chaos
-tests): it heartbeats on Redis, answers `/generate` with NDJSON deltas at once, and can be
+"""A worker process that speaks the real worker protocol without a model (for load, chaos and
+autoscaling tests): it announces itself and heartbeats on Redis (running requests, and the
+cumulative arrived / finished counts), answers `/generate` with NDJSON deltas, and can be
 killed like a real worker.
 
     python -m tests.e2e.fake_worker --redis URL --deployment ID --port N --token T
 
+It also takes the command line `LocalProcessProvider` gives `tokenmill worker` (`worker --model
+M --deployment ID --worker-id W --exit-with-parent`, any port, the Redis URL and the token from
+REDIS_URL and TOKENMILL_INTERNAL_TOKEN), so a reconciler can start it as its deployment's worker
+(tests/e2e/test_autoscaling.py).
+
 Each request gets a completion of `1 + (sum of prompt ids + seed) % max_tokens` tokens, so
-lengths vary but are reproducible from the request.
+lengths vary but are reproducible from the request; `--delay S` spaces its tokens S seconds
+apart, so that requests take time and run side by side.
 
 Faults (tests/e2e/test_faults.py): `--hang` accepts each request and never answers;
 `--stall-after N` streams N deltas and then nothing more, the connection left open. Either
@@ -18,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,12 +37,34 @@ from litestar import Litestar, Request, post
 from litestar.response import Response, Stream
 
 from tokenmill.bus import RedisBus
-from tokenmill.protocol import WORKERS, GenerateDelta, GenerateRequest, Heartbeat
+from tokenmill.protocol import (
+    WORKERS,
+    GenerateDelta,
+    GenerateRequest,
+    Heartbeat,
+    WorkerAnnounce,
+    WorkerDeparture,
+)
+
+
+class Counts:
+    """What heartbeats report: requests streaming now, and arrived / finished since the start."""
+
+    running = arrived = finished = 0
 
 
 def make_app(
-    token: str, seed: int, *, hang: bool = False, stall_after: int | None = None, log: str | None = None
+    token: str,
+    seed: int,
+    *,
+    hang: bool = False,
+    stall_after: int | None = None,
+    log: str | None = None,
+    delay: float = 0.0,
+    counts: Counts | None = None,
 ) -> Litestar:
+    counts = counts or Counts()
+
     @post("/generate", status_code=200)
     async def generate(request: Request) -> Stream | Response:
         if request.headers.get("authorization") != f"Bearer {token}":
@@ -47,28 +78,42 @@ def make_app(
         n = 1 + (sum(req.prompt_token_ids) + seed) % max(1, req.sampling.max_tokens)
 
         async def lines() -> AsyncIterator[bytes]:
-            for i in range(n):
-                if stall_after is not None and i == stall_after:
-                    await asyncio.Event().wait()  # mid-stream: nothing more, connection open
-                d = GenerateDelta(
-                    text=f"t{i} ",
-                    token_ids=[100 + i],
-                    prompt_tokens=len(req.prompt_token_ids),
-                    completion_tokens=i + 1,
-                    finish_reason="length" if i == n - 1 else None,
-                )
-                yield msgspec.json.encode(d) + b"\n"
-                if i % 4 == 3:
-                    await asyncio.sleep(0)
+            counts.arrived += 1
+            counts.running += 1
+            try:
+                for i in range(n):
+                    if stall_after is not None and i == stall_after:
+                        await asyncio.Event().wait()  # mid-stream: nothing more, connection open
+                    if delay:
+                        await asyncio.sleep(delay)
+                    d = GenerateDelta(
+                        text=f"t{i} ",
+                        token_ids=[100 + i],
+                        prompt_tokens=len(req.prompt_token_ids),
+                        completion_tokens=i + 1,
+                        finish_reason="length" if i == n - 1 else None,
+                    )
+                    yield msgspec.json.encode(d) + b"\n"
+                    if i % 4 == 3:
+                        await asyncio.sleep(0)
+            finally:
+                counts.running -= 1
+                counts.finished += 1
 
         return Stream(lines(), media_type="application/x-ndjson")
 
     return Litestar([generate])
 
 
-async def heartbeats(bus: RedisBus, worker_id: str, deployment: str, address: str) -> None:
+async def heartbeats(bus: RedisBus, worker_id: str, deployment: str, address: str, counts: Counts) -> None:
+    announced = False
     while True:
         with contextlib.suppress(Exception):  # Redis may be restarting; keep trying
+            if not announced:  # first, as a real worker: it counts from zero from here
+                await bus.publish(
+                    WORKERS, WorkerAnnounce(worker_id, deployment, address, model="fake", ts=time.time())
+                )
+                announced = True
             await bus.publish(
                 WORKERS,
                 Heartbeat(
@@ -76,7 +121,10 @@ async def heartbeats(bus: RedisBus, worker_id: str, deployment: str, address: st
                     deployment_id=deployment,
                     address=address,
                     model="fake",
+                    running=counts.running,
                     ts=time.time(),
+                    arrived=counts.arrived,
+                    finished=counts.finished,
                 ),
             )
         await asyncio.sleep(0.3)
@@ -84,31 +132,45 @@ async def heartbeats(bus: RedisBus, worker_id: str, deployment: str, address: st
 
 async def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--redis", required=True)
+    p.add_argument("command", nargs="?", help="`worker`, as LocalProcessProvider runs `tokenmill`; ignored")
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL"))
     p.add_argument("--deployment", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--token", required=True)
-    p.add_argument("--id", default="fake")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--token", default=os.environ.get("TOKENMILL_INTERNAL_TOKEN"))
+    p.add_argument("--id", "--worker-id", dest="id", default="fake")
+    p.add_argument("--model", default="fake", help="ignored: there is no model")
+    p.add_argument("--exit-with-parent", action="store_true", help="ignored: the provider sees to it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delay", type=float, default=0.0, help="seconds between a request's tokens")
     p.add_argument("--hang", action="store_true", help="never answer /generate")
     p.add_argument("--stall-after", type=int, default=None, help="stream this many deltas, then stall")
     p.add_argument("--log", default=None, help="append received request ids to this file")
     args = p.parse_args()
+    if not args.redis or not args.token:
+        p.error("--redis and --token (or REDIS_URL and TOKENMILL_INTERNAL_TOKEN) are required")
     bus = RedisBus.from_url(args.redis)
-    address = f"http://127.0.0.1:{args.port}"
-    beat = asyncio.create_task(heartbeats(bus, args.id, args.deployment, address))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            make_app(args.token, args.seed, hang=args.hang, stall_after=args.stall_after, log=args.log),
-            host="127.0.0.1",
-            port=args.port,
-            log_level="warning",
-        )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
+    address = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    counts = Counts()
+    beat = asyncio.create_task(heartbeats(bus, args.id, args.deployment, address, counts))
+    app = make_app(
+        args.token,
+        args.seed,
+        hang=args.hang,
+        stall_after=args.stall_after,
+        log=args.log,
+        delay=args.delay,
+        counts=counts,
     )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         beat.cancel()
+        with contextlib.suppress(Exception):
+            await bus.publish(WORKERS, WorkerDeparture(args.id, args.deployment, ts=time.time()))
         await bus.close()
 
 

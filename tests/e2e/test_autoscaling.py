@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_serve import MODEL, Server, start_server
+from tests.e2e.serve import MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -3,87 +3,45 @@ workers, driven by the official `openai` SDK: a chat batch whose answers are the
 an embeddings batch, cancelling, another organisation's 404s, a server killed mid-batch and
 started again (no line lost or run twice, one usage event per line), and a batch expiring.
 
-One server for the module, restarted in place by the last tests (same home, same port)."""
+The first tests run on the shared server, as an organisation of their own; the last two kill
+and restart a server of their own in place (same home, same port)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import sqlite3
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.test_serve import EMBED_MODEL, MODEL, ROOT, Server, _wait_for_embeddings, start_server
+from tests.e2e.serve import EMBED_MODEL, MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 
 DONE = ("completed", "failed", "expired", "cancelled")
 
 
+# The batch window is fixed when a batch is created: a server restarted with a short one still
+# runs the batches it had to the end, and expires the new ones within seconds.
+SHORT_WINDOW = {"TOKENMILL_BATCH_WINDOW_SECONDS": "8"}
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("batches"), model_cache)
-    _wait_for_embeddings(s)
-    yield s
-    _kill(s)
+def server(shared_server: Server) -> Server:
+    return shared_server.for_org("batches")
 
 
-def _kill(server: Server, sig: int = signal.SIGKILL) -> None:
-    """The server and the workers it started, as a crash takes them."""
-    children = server.children()
-    if server.proc.poll() is None:
-        server.proc.send_signal(sig)
-        server.proc.wait(timeout=60)
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _restart(server: Server, extra_env: dict[str, str] | None = None) -> None:
-    """Start the server again on its home and port (its keys and batches are in its database)."""
-    server.env.update(extra_env or {})
-    server.proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve"],
-        env=server.env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    proc = server.proc
-
-    def pump() -> None:
-        assert proc.stdout
-        for line in proc.stdout:
-            sys.stderr.write(f"[serve] {line}")
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"serve exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).json().get("workers", 0) >= 1:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("serve did not come back")
-
-
-def query(server: Server, sql: str, *args: object) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(server.home / "tokenmill.db") as db:
-        return list(db.execute(sql, args))
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Server]:
+    """A server the tests may kill and restart; the chat model's worker only."""
+    s = start_server(tmp_path_factory.mktemp("batches"), model_cache, {"TOKENMILL_EMBED_MODEL": ""})
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def chat_line(i: int, max_tokens: int = 8) -> dict[str, Any]:
@@ -126,8 +84,7 @@ def ledger(server: Server, batch_id: str) -> list[tuple[Any, ...]]:
     rows: list[tuple[Any, ...]] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        now = query(
-            server,
+        now = server.query(
             "SELECT request_id, prompt_tokens, completion_tokens FROM usage_events WHERE batch_id = ?",
             batch_id,
         )
@@ -136,16 +93,6 @@ def ledger(server: Server, batch_id: str) -> list[tuple[Any, ...]]:
         rows = now
         time.sleep(1.0)
     return rows
-
-
-def other_org_client(server: Server) -> openai.OpenAI:
-    admin = {"authorization": f"Bearer {server.key}"}
-    with httpx.Client(base_url=server.url, headers=admin, timeout=30) as c:
-        r = c.post("/admin/v1/organizations", json={"name": "batches-other-org"})
-        assert r.status_code == 201, r.text
-        r = c.post(f"/admin/v1/organizations/{r.json()['id']}/keys", json={"name": "other", "role": "member"})
-        assert r.status_code == 201, r.text
-        return server.client(r.json()["secret"])
 
 
 def test_a_chat_batch_answers_as_the_online_api_does(server: Server) -> None:
@@ -231,29 +178,30 @@ def test_an_embeddings_batch(server: Server) -> None:
     assert len(ledger(server, b.id)) == 30
 
 
-def test_another_organisation_gets_404(server: Server) -> None:
+def test_another_organisation_gets_404(server: Server, other_org_client: openai.OpenAI) -> None:
     """Acceptance 6: the files and the batch are the organisation's own."""
     client = server.client()
     b = client.batches.list().data[0]
-    other = other_org_client(server)
     for call in (
-        lambda: other.batches.retrieve(b.id),
-        lambda: other.batches.cancel(b.id),
-        lambda: other.files.retrieve(b.input_file_id),
-        lambda: other.files.content(b.output_file_id or b.input_file_id),
+        lambda: other_org_client.batches.retrieve(b.id),
+        lambda: other_org_client.batches.cancel(b.id),
+        lambda: other_org_client.files.retrieve(b.input_file_id),
+        lambda: other_org_client.files.content(b.output_file_id or b.input_file_id),
     ):
         with pytest.raises(openai.NotFoundError):
             call()
-    assert all(x.id != b.id for x in other.batches.list().data)
+    assert all(x.id != b.id for x in other_org_client.batches.list().data)
     # Nor can the other organisation run a batch on this one's input file.
     with pytest.raises(openai.BadRequestError):
-        other.batches.create(input_file_id=b.input_file_id, endpoint=b.endpoint, completion_window="24h")
+        other_org_client.batches.create(
+            input_file_id=b.input_file_id, endpoint=b.endpoint, completion_window="24h"
+        )
 
 
 def test_cancel_stops_new_lines_and_keeps_what_ran(server: Server) -> None:
     """Acceptance 5 (cancel): new lines stop within seconds; the files hold what ran."""
     client = server.client()
-    lines = [json.dumps(chat_line(i, max_tokens=32)) for i in range(400)]
+    lines = [json.dumps(chat_line(i, max_tokens=16)) for i in range(400)]  # far from done in 5 lines' time
     b = client.batches.create(
         input_file_id=upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -274,7 +222,7 @@ def test_cancel_stops_new_lines_and_keeps_what_ran(server: Server) -> None:
     rows = ledger(server, b.id)
     assert sorted(r[0] for r in rows) == sorted(o["response"]["request_id"] for o in output)
     time.sleep(3)
-    assert len(query(server, "SELECT 1 FROM usage_events WHERE batch_id = ?", b.id)) == len(rows)
+    assert len(server.query("SELECT 1 FROM usage_events WHERE batch_id = ?", b.id)) == len(rows)
     # Cancelling it again changes nothing; a completed batch cannot be cancelled.
     assert client.batches.cancel(b.id).status == "cancelled"
     done = next(x for x in client.batches.list().data if x.status == "completed")
@@ -282,11 +230,12 @@ def test_cancel_stops_new_lines_and_keeps_what_ran(server: Server) -> None:
         client.batches.cancel(done.id)
 
 
-def test_killed_mid_batch_then_started_again_every_line_once(server: Server) -> None:
+def test_killed_mid_batch_then_started_again_every_line_once(own_server: Server) -> None:
     """Acceptance 4: SIGKILL the server (and its workers) mid-batch, start it again: the batch
     completes with every line once in the output and once in the ledger."""
+    server = own_server
     client = server.client()
-    lines = [json.dumps(chat_line(i, max_tokens=16)) for i in range(150)]
+    lines = [json.dumps(chat_line(i)) for i in range(150)]
     b = client.batches.create(
         input_file_id=upload(client, lines), endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -294,10 +243,10 @@ def test_killed_mid_batch_then_started_again_every_line_once(server: Server) -> 
     while (b := client.batches.retrieve(b.id)).request_counts.completed < 20:  # type: ignore[union-attr]
         assert time.monotonic() < deadline, b
         time.sleep(0.2)
-    _kill(server)
-    ran = query(server, "SELECT count(*) FROM batch_lines WHERE batch_id = ? AND state = 'ok'", b.id)[0][0]
+    server.kill()
+    ran = server.query("SELECT count(*) FROM batch_lines WHERE batch_id = ? AND state = 'ok'", b.id)[0][0]
     assert 20 <= ran < 150  # killed mid-way
-    _restart(server)
+    server.restart(SHORT_WINDOW)  # what the next test needs; this batch keeps its 24 hours
     b = wait(client, b.id)
     assert b.status == "completed" and b.request_counts is not None
     assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (150, 150, 0)
@@ -308,11 +257,12 @@ def test_killed_mid_batch_then_started_again_every_line_once(server: Server) -> 
     assert sorted(r[0] for r in rows) == sorted(o["response"]["request_id"] for o in output)
 
 
-def test_an_expired_batch_ends_with_what_ran(server: Server) -> None:
+def test_an_expired_batch_ends_with_what_ran(own_server: Server) -> None:
     """Acceptance 5 (expiry), with the window setting shortened: what ran is in the output,
     the rest in the error file as `batch_expired`."""
-    _kill(server, signal.SIGTERM)
-    _restart(server, {"TOKENMILL_BATCH_WINDOW_SECONDS": "8"})
+    server = own_server
+    if not SHORT_WINDOW.items() <= server.env.items():  # the test above restarted it so already
+        server.restart(SHORT_WINDOW)
     client = server.client()
     lines = [json.dumps(chat_line(i, max_tokens=32)) for i in range(400)]
     b = client.batches.create(

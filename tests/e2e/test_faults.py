@@ -42,8 +42,8 @@ import migrations
 from billing.models import UsageEvent
 from control_plane.bootstrap import bootstrap
 from control_plane.catalog.models import Worker
+from tests.e2e.serve import Server, start_server
 from tests.e2e.test_gateway_replicas import RedisServer, _free_port
-from tests.e2e.test_serve import Server, start_server
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.settings import BUNDLED_MODEL
 
@@ -72,6 +72,7 @@ class Stack:
     key: str = ""
     deployment_id: str = ""
     gateway: str = ""
+    control_plane: str = ""  # its admin API
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -180,7 +181,9 @@ async def stack(tmp_path: Path, pg_url: str, model_cache: Path) -> AsyncIterator
     port = _free_port()
     st.spawn("gateway", ["-m", "tokenmill.cli", "gateway"], TOKENMILL_PORT=str(port))
     st.gateway = f"http://127.0.0.1:{port}"
-    st.spawn("control-plane", ["-m", "tokenmill.cli", "control-plane"], TOKENMILL_PORT=str(_free_port()))
+    admin_port = _free_port()
+    st.spawn("control-plane", ["-m", "tokenmill.cli", "control-plane"], TOKENMILL_PORT=str(admin_port))
+    st.control_plane = f"http://127.0.0.1:{admin_port}"
     try:
         yield st
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_serve import MODEL, Server, start_server
+from tests.e2e.serve import MODEL, Server, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -1,23 +1,20 @@
 """Issue 18's sampling surface through `tokenmill serve` with the real SmolLM2 worker, driven by
 the official SDK (sync and async, streamed and not): `n`, `logprobs`/`top_logprobs` against the
-engine's own values and HF's, `logit_bias`, `echo`, and several prompts in one request. One
-server for the module; the engine in this process is the reference."""
+engine's own values and HF's, `logit_bias`, `echo`, and several prompts in one request. On the
+shared server, as an organisation of its own; the engine in this process is the reference."""
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import torch
 
-from tests.e2e.test_serve import MODEL, Server, start_server
+from tests.e2e.serve import MODEL, Server
 from tokenmill.modelstore import resolve_model
 from tokenmill.settings import BUNDLED_MODEL
 from workers.engine import LLM, SamplingParams
@@ -30,12 +27,8 @@ CLOSE = 1e-3  # logprobs of the same fp32 model under another batch differ by fa
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("serve"), model_cache)
-    yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
-        s.proc.wait()
+def server(shared_server: Server) -> Server:
+    return shared_server.for_org("openai-surface")
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +42,6 @@ def engine(model_dir: Path, model_cache: Path) -> LLM:
     return LLM(str(model_dir), kv_cache_gib=0.25, compile_cache=str(model_cache))
 
 
-def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0, timeout=120)
-
-
 def chat_ids(engine: LLM, messages: list[dict[str, str]]) -> list[int]:
     tok = engine.tokenizer
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
@@ -62,19 +51,16 @@ def usage_row(server: Server, request_id: str) -> tuple[int, int, int]:
     """(rows, prompt tokens, completion tokens) of the request in the ledger, once it is there."""
     deadline = time.monotonic() + 30
     while True:
-        with sqlite3.connect(server.home / "tokenmill.db") as db:
-            rows = db.execute(
-                "SELECT prompt_tokens, completion_tokens FROM usage_events WHERE request_id = ?",
-                (request_id,),
-            ).fetchall()
+        rows = server.query(
+            "SELECT prompt_tokens, completion_tokens FROM usage_events WHERE request_id = ?", request_id
+        )
         if rows or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert rows, f"no usage event for {request_id}"
     time.sleep(0.5)  # a second event would have come with the first
-    with sqlite3.connect(server.home / "tokenmill.db") as db:
-        count = db.execute("SELECT count(*) FROM usage_events WHERE request_id = ?", (request_id,)).fetchone()
-    return count[0], rows[0][0], rows[0][1]
+    ((count,),) = server.query("SELECT count(*) FROM usage_events WHERE request_id = ?", request_id)
+    return count, rows[0][0], rows[0][1]
 
 
 def test_n_choices_are_the_engines_and_all_their_tokens_are_billed(server: Server, engine: LLM) -> None:
@@ -96,7 +82,7 @@ def test_n_choices_are_the_engines_and_all_their_tokens_are_billed(server: Serve
     assert usage_row(server, raw.headers["x-request-id"]) == (1, u.prompt_tokens, u.completion_tokens)
 
     async def streamed() -> list[Any]:
-        async with aclient(server) as client:
+        async with server.aclient() as client:
             stream = await client.chat.completions.create(
                 model=MODEL, messages=ASK, n=3, stream=True, stream_options={"include_usage": True}, **params
             )
@@ -145,7 +131,7 @@ def test_logprobs_are_the_engines_and_hfs(server: Server, engine: LLM, model_dir
 
     # streamed: each chunk carries its own tokens', together the same as the whole
     async def streamed() -> list[Any]:
-        async with aclient(server) as client:
+        async with server.aclient() as client:
             stream = await client.chat.completions.create(
                 model=MODEL,
                 messages=ASK,
@@ -174,7 +160,7 @@ def test_completion_logprobs_and_logit_bias(server: Server, engine: LLM) -> None
     assert out.logprobs is not None
 
     async def ask(**kw: Any) -> Any:
-        async with aclient(server) as client:
+        async with server.aclient() as client:
             return await client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=6, temperature=0, **kw
             )
@@ -212,8 +198,8 @@ def test_echo_and_several_prompts(server: Server, engine: LLM) -> None:
     assert err.value.body["param"] == "echo"
 
     async def several() -> Any:
-        async with aclient(server) as aclient_:
-            return await aclient_.completions.with_raw_response.create(
+        async with server.aclient() as client:
+            return await client.completions.with_raw_response.create(
                 model=MODEL, prompt=PROMPTS, max_tokens=5, temperature=0
             )
 
@@ -234,18 +220,9 @@ def test_echo_and_several_prompts(server: Server, engine: LLM) -> None:
 def test_refusals_carry_the_servers_request_id(server: Server) -> None:
     """A 401 and a 429 through the SDK carry a fresh `x-request-id` as an answer does, so a
     client can quote any failure to the operator."""
-    unknown = openai.OpenAI(base_url=f"{server.url}/v1", api_key="tm-nope", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError) as denied:
-        unknown.models.list()
-    admin = {"authorization": f"Bearer {server.key}"}
-    with httpx.Client(base_url=f"{server.url}/admin/v1", headers=admin, timeout=30) as c:
-        org = c.post("/organizations", json={"name": "one-a-minute"})
-        assert org.status_code == 201, org.text
-        body = {"name": "slow", "requests_per_minute": 1, "request_burst": 1}
-        key = c.post(f"/organizations/{org.json()['id']}/keys", json=body)
-        assert key.status_code == 201, key.text
-    secret = key.json()["secret"]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=secret, max_retries=0, timeout=120)
+        server.client("tm-nope").models.list()
+    client = server.client(server.create_org_key("one-a-minute", requests_per_minute=1, request_burst=1))
     answered = client.chat.completions.with_raw_response.create(model=MODEL, messages=ASK, max_tokens=1)
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)

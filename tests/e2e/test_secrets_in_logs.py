@@ -8,6 +8,11 @@ stderr, which the server's children share) and the whole audit log are then sear
 every API key secret, the passwords, the Stripe key, the webhook secret, and the internal
 token and secret key of TOKENMILL_HOME/secrets.json. The bootstrap admin key is printed
 once on purpose at the first start (the only way to learn it): there and nowhere else.
+Nor is any prompt's text in them.
+
+The journey runs twice: with readable text logs (the default), and with
+TOKENMILL_LOG_FORMAT=json (issue 20, acceptance 3), where every line logged while the journey's
+inference requests ran is a JSON object, and each line of a request carries its request id.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ STRIPE_KEY = "sk_test_LEAKCANARY" + secrets.token_hex(12)
 WEBHOOK_SECRET = "whsec_LEAKCANARY" + secrets.token_hex(12)
 PASSWORD = "canary-password-" + secrets.token_hex(6)
 NEW_PASSWORD = "canary-password-2-" + secrets.token_hex(6)
+PROMPT = "canary-prompt-" + secrets.token_hex(6)  # in every prompt of the journey
 
 
 def iso(t: datetime) -> str:
@@ -48,8 +54,11 @@ def iso(t: datetime) -> str:
 
 
 class Serve:
-    def __init__(self, proc: subprocess.Popen[str], url: str, home: Path, lines: list[str]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], url: str, home: Path, lines: list[str], log_format: str
+    ) -> None:
         self.proc, self.url, self.home, self.lines = proc, url, home, lines
+        self.log_format = log_format
         self.root_key = ""
 
     def admin(self, key: str | None = None) -> httpx.Client:
@@ -64,8 +73,10 @@ def stripe() -> Iterator[FakeStripe]:
         yield fake
 
 
-@pytest.fixture
-def serve(tmp_path: Path, model_cache: Path, stripe: FakeStripe) -> Iterator[Serve]:
+@pytest.fixture(params=["text", "json"])
+def serve(
+    request: pytest.FixtureRequest, tmp_path: Path, model_cache: Path, stripe: FakeStripe
+) -> Iterator[Serve]:
     port = _free_port()
     home = tmp_path / "home"
     env = {
@@ -76,6 +87,7 @@ def serve(tmp_path: Path, model_cache: Path, stripe: FakeStripe) -> Iterator[Ser
         "TOKENMILL_TORCH_THREADS": "1",
         "TOKENMILL_EMBED_MODEL": "",
         "TOKENMILL_LOG_LEVEL": "DEBUG",
+        "TOKENMILL_LOG_FORMAT": request.param,
         "TOKENMILL_STRIPE_API_KEY": STRIPE_KEY,
         "TOKENMILL_STRIPE_WEBHOOK_SECRET": WEBHOOK_SECRET,
         "TOKENMILL_STRIPE_API_BASE": stripe.url,
@@ -93,7 +105,7 @@ def serve(tmp_path: Path, model_cache: Path, stripe: FakeStripe) -> Iterator[Ser
     )
     lines: list[str] = []
     _pump(proc, lines, "serve")
-    server = Serve(proc, f"http://127.0.0.1:{port}", home, lines)
+    server = Serve(proc, f"http://127.0.0.1:{port}", home, lines, request.param)
 
     def ready() -> bool | None:
         if proc.poll() is not None:
@@ -169,25 +181,34 @@ def test_no_secret_in_the_logs_or_the_audit_log(serve: Serve, stripe: FakeStripe
         201,
     )
     client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key=rotated["secret"], max_retries=0, timeout=120)
+    traffic_from = len(serve.lines)
+    request_ids = []
     for prompt in ("Say hello.", "Name a colour."):
-        r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4, temperature=0
-        )
-        assert r.usage is not None and r.usage.completion_tokens > 0
-    chunks = list(
-        client.chat.completions.create(
+        raw = client.chat.completions.with_raw_response.create(
             model=MODEL,
-            messages=[{"role": "user", "content": "Count to three."}],
+            messages=[{"role": "user", "content": f"{prompt} {PROMPT}"}],
             max_tokens=4,
-            stream=True,
-            stream_options={"include_usage": True},
+            temperature=0,
         )
+        request_ids.append(raw.headers["x-request-id"])
+        r = raw.parse()
+        assert r.usage is not None and r.usage.completion_tokens > 0
+    raw_stream = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Count to three. {PROMPT}"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
     )
+    request_ids.append(raw_stream.headers["x-request-id"])
+    chunks = list(raw_stream.parse())
     assert chunks[-1].usage is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{serve.url}/v1", api_key=wrong, max_retries=0).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            model=MODEL, messages=[{"role": "user", "content": f"hi {PROMPT}"}], max_tokens=2
         )
+    time.sleep(1.0)  # the requests' last lines through the pipe
+    traffic = serve.lines[traffic_from:]
 
     # --- Stripe webhooks: a forged signature (400) and a genuine one ----------------------
     event = json.dumps(stripe.event("invoice.paid", {"id": "in_canary", "object": "invoice"})).encode()
@@ -263,16 +284,20 @@ def test_no_secret_in_the_logs_or_the_audit_log(serve: Serve, stripe: FakeStripe
     # The bootstrap key is printed once, alone on its line, on purpose; no other line has it.
     shown = [ln for ln in serve.lines if serve.root_key[11:] in ln]
     assert [ln.strip() for ln in shown] == [serve.root_key], shown
-    logs = "\n".join(ln for ln in serve.lines if ln.strip() != serve.root_key)
+    lines = [ln for ln in serve.lines if ln.strip() != serve.root_key]
+    # The lines as written and, for JSON lines, as read (JSON escapes what a search would miss).
+    logs = "\n".join(lines + [text for ln in lines for text in _texts(ln)])
     audit_text = json.dumps(audit)
 
     # The search was over real logs: DEBUG output of the server, its worker and this journey.
     assert len(serve.lines) > 50, serve.lines
     assert any("DEBUG" in ln for ln in serve.lines), "nothing logged at DEBUG"
     # the access log (on at DEBUG) shows the journey's requests
-    assert any('"POST /admin/v1/organizations HTTP' in ln for ln in serve.lines), "the journey left no trace"
-    assert any('"POST /webhooks/stripe HTTP' in ln for ln in serve.lines), "no webhook trace"
-    assert any("workers.main" in ln for ln in serve.lines), "nothing from the worker subprocess"
+    assert '"POST /admin/v1/organizations HTTP' in logs, "the journey left no trace"
+    assert '"POST /webhooks/stripe HTTP' in logs, "no webhook trace"
+    assert "workers.main" in logs, "nothing from the worker subprocess"
+    if serve.log_format == "json":
+        check_json_lines(traffic, request_ids)
     assert {(e["action"], e["resource_type"]) for e in audit} >= {
         ("create", "user"),
         ("update", "user"),
@@ -281,6 +306,7 @@ def test_no_secret_in_the_logs_or_the_audit_log(serve: Serve, stripe: FakeStripe
         ("finalize", "invoice"),
     }
 
+    searched["the prompts' text"] = PROMPT
     leaks = [
         f"{name} in {where}"
         for name, value in searched.items()
@@ -288,3 +314,39 @@ def test_no_secret_in_the_logs_or_the_audit_log(serve: Serve, stripe: FakeStripe
         if value in text
     ]
     assert leaks == [], leaks
+
+
+def _texts(line: str) -> list[str]:
+    """What a JSON log line says, unescaped: its values."""
+    if not line.startswith("{"):
+        return []
+    try:
+        return [str(v) for v in json.loads(line).values()]
+    except ValueError:
+        return []
+
+
+def check_json_lines(traffic: list[str], request_ids: list[str]) -> None:
+    """Every line logged while the inference requests ran (server, gateway, workers, engine) is
+    a JSON object with ts, level, logger and message; each line of a request (the gateway's
+    access log of /v1, anything logged with a request id) carries its own request's id, and
+    no line of another kind (heartbeats on the internal bus) carries one."""
+    assert traffic, "nothing logged while the requests ran"
+    parsed = []
+    for line in traffic:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+        assert isinstance(obj, dict) and {"ts", "level", "logger", "message"} <= obj.keys(), line
+        parsed.append(obj)
+    access = [o for o in parsed if o["logger"] == "uvicorn.access"]
+    of_v1 = [o for o in access if '"POST /v1/' in o["message"]]
+    assert len(of_v1) == len(request_ids) + 1, of_v1  # and the refused key's request
+    assert all(o.get("request_id", "").startswith(("chatcmpl-", "req_")) for o in of_v1), of_v1
+    for rid in request_ids:
+        mine = [o for o in parsed if o.get("request_id") == rid]
+        assert mine, f"no line carries {rid}"
+        assert all(o.get("model") == MODEL for o in mine if o["logger"] == "uvicorn.access"), mine
+    others = [o for o in access if "/v1/" not in o["message"]]
+    assert all("request_id" not in o for o in others), others

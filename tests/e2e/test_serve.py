@@ -1,62 +1,30 @@
-"""`tokenmill serve` as a user runs it: a subprocess, driven by the official openai SDK."""
+"""`tokenmill serve` as a user runs it: a subprocess, driven by the official openai SDK. On the
+shared server of the e2e tests, which the SIGTERM test stops last; the kill test starts its own."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import signal
-import socket
-import sqlite3
 import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.e2e.serve import EMBED_MODEL, MODEL, Server, start_server
+
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
-EMBED_MODEL = "all-MiniLM-L6-v2"
-ROOT = Path(__file__).resolve().parents[2]
 
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[str]
-    url: str
-    home: Path
-    env: dict[str, str]
-    key: str = ""
-    lines: list[str] = field(default_factory=list)
-
-    def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=120)
-
-    def children(self) -> list[int]:
-        """Pids whose parent is the server."""
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == self.proc.pid:
-                pids.append(int(stat.parent.name))
-        return pids
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def server(shared_server: Server) -> Server:
+    """The session's server as its first start left it: `key` is the admin key it printed."""
+    return shared_server
 
 
 def _alive(pid: int) -> bool:
@@ -65,67 +33,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def start_server(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None = None) -> Server:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "TOKENMILL_HOME": str(tmp / "home"),
-        "TOKENMILL_MODEL_CACHE": str(model_cache),
-        "TOKENMILL_PORT": str(port),
-        "TOKENMILL_TORCH_THREADS": "2",
-        **(extra_env or {}),
-    }
-    for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
-        env.pop(var, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    server = Server(proc, f"http://127.0.0.1:{port}", tmp / "home", env)
-
-    def pump() -> None:
-        assert proc.stdout
-        for line in proc.stdout:
-            server.lines.append(line.rstrip("\n"))
-            sys.stderr.write(f"[serve] {line}")
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited with {proc.returncode}:\n" + "\n".join(server.lines))
-        server.key = next((ln for ln in server.lines if ln.startswith("tm-")), "")
-        try:
-            health = httpx.get(f"{server.url}/health", timeout=2).json()
-            if server.key and health.get("workers", 0) >= 1:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("serve did not become ready:\n" + "\n".join(server.lines))
-
-
-def stop(server: Server, sig: int = signal.SIGTERM) -> list[int]:
-    children = server.children()
-    server.proc.send_signal(sig)
-    server.proc.wait(timeout=60)
-    return children
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("serve"), model_cache)
-    yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
-        s.proc.wait()
 
 
 def test_first_start_prints_a_working_admin_key_once(server: Server) -> None:
@@ -180,20 +87,7 @@ def test_chat_streams_sse_until_done(server: Server) -> None:
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
-def _wait_for_embeddings(server: Server) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            server.client().embeddings.create(model=EMBED_MODEL, input="ready?")
-            return
-        except openai.APIStatusError as exc:
-            if exc.status_code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 def test_openai_sdk_sync_and_async_on_every_endpoint(server: Server) -> None:
-    _wait_for_embeddings(server)
     sync = server.client()
     listed = [m.id for m in sync.models.list()]
     assert MODEL in listed and EMBED_MODEL in listed
@@ -220,10 +114,7 @@ def test_openai_sdk_sync_and_async_on_every_endpoint(server: Server) -> None:
     assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(vecs[0], abs=1e-6)
 
     async def run_async() -> None:
-        client = openai.AsyncOpenAI(
-            base_url=f"{server.url}/v1", api_key=server.key, max_retries=0, timeout=120
-        )
-        async with client:
+        async with server.aclient() as client:
             assert MODEL in [m.id async for m in client.models.list()]
             r = await client.chat.completions.create(**chat)
             assert r.choices[0].message.content
@@ -241,7 +132,6 @@ def test_openai_surface_retrieval_request_ids_and_what_a_request_may_name(server
     """Issue 18 through the whole server, with the real workers: models.retrieve, request ids
     on answers and errors, unknown names refused, and `dimensions` checked by the gateway
     against the size the real encoder makes."""
-    _wait_for_embeddings(server)
     client = server.client()
     for name in (MODEL, EMBED_MODEL):
         assert client.models.retrieve(name).id == name
@@ -382,9 +272,16 @@ def test_admin_cli_suspends_and_resumes_an_organisation_on_the_running_server(se
             time.sleep(0.05)
 
 
+@pytest.mark.stops_shared_server
 def test_sigterm_stops_everything(server: Server) -> None:
-    """Runs last in this module: stops the shared server and checks for orphans."""
-    children = stop(server)
+    """Runs after every other test on the shared server (the marker): stops it once both its
+    workers are up, and checks for orphans and for their recorded lifetimes."""
+    # a worker's row may come from its first heartbeat rather than its announcement
+    deadline = time.monotonic() + 30
+    while server.query("SELECT count(*) FROM workers") != [(2,)]:
+        assert time.monotonic() < deadline, server.query("SELECT * FROM workers")
+        time.sleep(0.2)
+    children = server.stop()
     assert children, "serve had no worker subprocess"
     assert server.proc.returncode == 0
     deadline = time.monotonic() + 15
@@ -392,8 +289,7 @@ def test_sigterm_stops_everything(server: Server) -> None:
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)], "worker outlived serve"
     # the worker's lifetime was recorded from its announcement and departure on the bus
-    with sqlite3.connect(server.home / "tokenmill.db") as db:
-        rows = db.execute("SELECT status, started_at, stopped_at FROM workers").fetchall()
+    rows = server.query("SELECT status, started_at, stopped_at FROM workers")
     assert len(rows) == 2  # the chat model's worker and the embedding model's
     for status, started, stopped in rows:
         assert status == "stopped" and started and stopped and stopped > started
@@ -401,7 +297,10 @@ def test_sigterm_stops_everything(server: Server) -> None:
 
 def test_killed_server_leaves_no_orphan(tmp_path: Path, model_cache: Path) -> None:
     server = start_server(tmp_path, model_cache)
-    children = stop(server, signal.SIGKILL)
+    try:
+        children = server.stop(signal.SIGKILL)
+    finally:
+        server.close()
     assert children
     deadline = time.monotonic() + 15
     while any(_alive(p) for p in children) and time.monotonic() < deadline:

@@ -100,9 +100,10 @@ def test_terraform_validate_with_the_local_aws_provider(path: Path, tmp_path: Pa
     assert mirror is not None, (
         "terraform is here but no plugin mirror with hashicorp/aws (set TF_PLUGIN_MIRROR)"
     )
-    copy = tmp_path / "terraform"
-    shutil.copytree(TERRAFORM, copy, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"))
-    where = copy / path.relative_to(TERRAFORM)
+    # All of infra/: the monitoring module reads the alert rules of infra/prometheus.
+    copy = tmp_path / "infra"
+    shutil.copytree(TERRAFORM.parent, copy, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*"))
+    where = copy / TERRAFORM.name / path.relative_to(TERRAFORM)
     env = terraform_env(tmp_path)
     init = [binary, "init", "-backend=false", "-input=false", "-no-color", f"-plugin-dir={mirror}"]
     run(init, cwd=where, env=env)

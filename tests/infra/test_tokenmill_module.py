@@ -140,8 +140,10 @@ def test_settings_and_secrets_are_real_settings() -> None:
         assert {"DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"} <= secrets[
             name
         ]
-    # Gateways (and the control plane) talk to workers with the workers' token.
-    assert "TOKENMILL_WORKER_TOKEN" in secrets["tokenmill-gateway"]
+    # Gateways (and the control plane) talk to workers with the workers' token; it is also what
+    # Prometheus reads every scraped service's /metrics with (tokenmill.ops.check_scraper).
+    for name in ("tokenmill-gateway", "tokenmill-control-plane", "tokenmill-autoscaler"):
+        assert "TOKENMILL_WORKER_TOKEN" in secrets[name], name
     # Workers: their token, their Redis user, the bucket; never the internal token or the database.
     worker = secrets[TOKENMILL.locals["worker_secret"]]
     assert {"TOKENMILL_WORKER_TOKEN", "REDIS_URL", "TOKENMILL_STORAGE_URL"} <= worker

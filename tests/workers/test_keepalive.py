@@ -22,7 +22,7 @@ from litestar import Litestar
 
 from gateway.upstream import Upstream
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp, SamplingParams
-from workers.server import WorkerInfo, create_app
+from workers.server import Traffic, WorkerInfo, create_app
 
 TOKEN = "keepalive-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -62,12 +62,13 @@ class HeldBack:
 
 
 @contextlib.asynccontextmanager
-async def serve(generator: HeldBack, keepalive: float) -> AsyncIterator[str]:
+async def serve(generator: HeldBack, keepalive: float, traffic: Traffic | None = None) -> AsyncIterator[str]:
     app: Litestar = create_app(
         generator,  # type: ignore[arg-type]  # what /generate uses of the protocol
         token=TOKEN,
         info=WorkerInfo("w-keepalive", "m"),
         keepalive=keepalive,
+        traffic=traffic,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

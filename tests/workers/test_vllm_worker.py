@@ -37,7 +37,7 @@ from tokenmill.storage import LocalStorage
 from tokenmill.tokenization import Tokenizer
 from workers.adapters import AdapterFetcher
 from workers.main import _beat, _Identity
-from workers.server import RecentTtft, WorkerInfo, create_app
+from workers.server import RecentTtft, Traffic, WorkerInfo, create_app
 from workers.vllm.generator import VllmFailed, VllmGenerator, _Logprobs, structured_outputs, wire_logprobs
 from workers.vllm.kv_events import KvEventMapper
 from workers.vllm.metrics import parse_figures
@@ -80,8 +80,17 @@ async def generator(
 
 
 @pytest.fixture(scope="module")
-async def worker_url(generator: VllmGenerator, vllm_server: RunningVllm) -> AsyncIterator[str]:
-    app = create_app(generator, token=TOKEN, info=WorkerInfo("w-vllm", vllm_server.name, "dep-vllm"))
+def traffic() -> Traffic:
+    """The worker's request counts (its heartbeats' `arrived` and `finished`)."""
+    return Traffic()
+
+
+@pytest.fixture(scope="module")
+async def worker_url(
+    generator: VllmGenerator, vllm_server: RunningVllm, traffic: Traffic
+) -> AsyncIterator[str]:
+    info = WorkerInfo("w-vllm", vllm_server.name, "dep-vllm")
+    app = create_app(generator, token=TOKEN, info=info, traffic=traffic)
     url, server, task = await _start(app)
     yield url
     server.should_exit = True
@@ -344,7 +353,7 @@ async def _long_stream(client: httpx.AsyncClient, prompt: list[int]) -> tuple[An
 
 
 async def test_heartbeats_and_metrics_carry_vllms_load(
-    client: httpx.AsyncClient, generator: VllmGenerator, vllm_server: RunningVllm
+    client: httpx.AsyncClient, generator: VllmGenerator, vllm_server: RunningVllm, traffic: Traffic
 ) -> None:
     ctx, lines = await _long_stream(client, _chat(generator.tokenizer, "Count to one thousand."))
     try:
@@ -356,11 +365,13 @@ async def test_heartbeats_and_metrics_carry_vllms_load(
         await _until(running, 10, "vLLM's running count to reach 1")
         assert generator.running == 1 and generator.kv_usage > 0 and generator.prefix_cache_queries > 0
 
-        bus = _Capture()
+        bus: Any = _Capture()  # what _beat uses of a publisher
         settings = Settings(heartbeat_seconds=0.05)
         identity = _Identity("w-vllm", "dep-vllm", "http://127.0.0.1:1", vllm_server.name)
         beat = asyncio.create_task(
-            _beat(bus, settings, identity, generator, RecentTtft(), asyncio.Event(), generator)  # type: ignore[arg-type]
+            _beat(
+                bus, settings, identity, generator, RecentTtft(), asyncio.Event(), generator, traffic=traffic
+            )
         )
 
         def busy() -> list[Heartbeat]:
@@ -374,10 +385,16 @@ async def test_heartbeats_and_metrics_carry_vllms_load(
             beat.cancel()
         heartbeat = busy()[0]
         assert heartbeat.waiting == 0 and 0 < heartbeat.kv_usage < 1
+        # Arrivals and ends are counted by the worker, as for our engine: the long one is open.
+        assert heartbeat.arrived == traffic.arrived and heartbeat.arrived - heartbeat.finished == 1
 
         text = (await client.get("/metrics", headers=AUTH)).text
         model = vllm_server.name
         assert f'vllm:num_requests_running{{model_name="{model}"}} 1.0' in text
+        assert (
+            f'tokenmill_worker_requests_arrived_total{{model_name="{model}"}} {float(traffic.arrived)}'
+            in text
+        )
         hits = re.search(rf'vllm:prefix_cache_queries_total{{model_name="{model}"}} (\S+)', text)
         assert hits and float(hits.group(1)) == generator.prefix_cache_queries > 0
     finally:

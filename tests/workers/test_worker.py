@@ -498,6 +498,10 @@ async def test_worker_process_lifecycle(
         async with httpx.AsyncClient(base_url=address, timeout=60) as c:
             deltas, _ = await _generate(c, [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198], max_tokens=3)
             assert deltas[-1].completion_tokens <= 3
+            # Its heartbeats count it: arrived, and ended (the autoscaler's arrival rate).
+            await bus.wait_for(
+                lambda: any((e["arrived"], e["finished"]) == (1, 1) for e in bus.of_type("heartbeat")), 10
+            )
 
             # SIGTERM while a request is in flight: it finishes, then the worker departs.
             prompt = [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198]

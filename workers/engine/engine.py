@@ -72,6 +72,19 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class Timings:
+    """A finished sequence's life on the engine's clock (time.monotonic(), shared by the
+    processes of a host): arrived, first scheduled, first token (0.0 when none came; likewise
+    scheduled), finished. The worker builds its queue, prefill and decode spans from these."""
+
+    arrived: float
+    scheduled: float
+    first_token: float
+    finished: float
+    preemptions: int = 0
+
+
+@dataclass(slots=True)
 class Output:
     """What one step produced for one sequence (sample `index` of request `request_id`)."""
 
@@ -85,6 +98,7 @@ class Output:
     completion_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    timings: Timings | None = None  # on the sequence's last output
 
 
 def merge_outputs(a: Output, b: Output) -> Output:
@@ -102,6 +116,7 @@ def merge_outputs(a: Output, b: Output) -> Output:
         top_logprobs=None
         if a.top_logprobs is None or b.top_logprobs is None
         else a.top_logprobs + b.top_logprobs,
+        timings=b.timings,
     )
 
 
@@ -527,6 +542,7 @@ class LLMEngine:
             completion_tokens=seq.num_completion_tokens,
             logprobs=[] if want else None,
             top_logprobs=[] if want else None,
+            timings=_timings(seq),
         )
 
     @staticmethod
@@ -549,6 +565,8 @@ class LLMEngine:
         params = seq.params
         finish = None
         text = ""
+        if not seq.first_token_at:
+            seq.first_token_at = time.monotonic()
         start = len(seq.token_ids) - new
         tokens = seq.token_ids[start:]
         for i, token in enumerate(tokens):
@@ -589,4 +607,9 @@ class LLMEngine:
             completion_tokens=completion,
             logprobs=[result.logprobs[j]] if want else None,
             top_logprobs=[result.top_logprobs[j]] if want else None,
+            timings=None if finish is None else _timings(seq),
         )
+
+
+def _timings(seq: Sequence) -> Timings:
+    return Timings(seq.arrival, seq.scheduled_at, seq.first_token_at, time.monotonic(), seq.num_preemptions)

@@ -99,7 +99,12 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def _serve(
-    conn: Connection, config: EngineConfig, loader: Callable[[str], Any] | None, threads: int, log_level: int
+    conn: Connection,
+    config: EngineConfig,
+    loader: Callable[[str], Any] | None,
+    threads: int,
+    log_level: int,
+    log_formatter: logging.Formatter | None,
 ) -> None:
     """The child's main: build the engine, then step while there is work and read the pipe."""
     import signal
@@ -107,7 +112,10 @@ def _serve(
     import torch
 
     # A spawned process starts with no logging setup: the worker's level and format, on stderr.
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter or logging.Formatter(_LOG_FORMAT))
+    logging.basicConfig(level=log_level, handlers=[handler])
+    logging.captureWarnings(True)
 
     # Ctrl-C (the whole process group) or a SIGTERM meant for the worker must not kill the engine
     # under requests the worker is draining: the worker ends us (a message, or its end of the
@@ -211,6 +219,22 @@ def _apply(
 _OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _log_formatter() -> logging.Formatter | None:
+    """The formatter of this process's log handler, for the engine process to log alike (one
+    format, e.g. JSON lines, in the worker's output); None if it cannot be sent there."""
+    for handler in logging.getLogger().handlers:
+        if handler.formatter is not None:
+            try:
+                pickle.dumps(handler.formatter)
+            except Exception:
+                return None
+            return handler.formatter
+    return None
+
+
 @contextlib.contextmanager
 def _child_env(env: dict[str, str]) -> Iterator[None]:
     """`env` in os.environ while a child is spawned (it reads it as its OpenMP starts), unless
@@ -256,6 +280,7 @@ class EngineProcess:
                 adapter_loader,
                 threads or torch.get_num_threads(),
                 logging.getLogger().getEffectiveLevel(),
+                _log_formatter(),
             ),
             name="tokenmill-engine",
             daemon=True,

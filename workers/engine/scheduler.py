@@ -35,6 +35,7 @@ gives back the blocks that only the rejected ones used.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -237,6 +238,8 @@ class Scheduler:
             self._num_waiting -= 1
             self.service.unwait(self._key(head))
             head.status = Status.RUNNING
+            if not head.scheduled_at:  # a recompute after preemption keeps its first time
+                head.scheduled_at = time.monotonic()
             self.running.append(head)
             out.batch.append((head, n))
             budget -= n

@@ -32,7 +32,11 @@ class Sequence:
     num_cached_tokens: int = 0  # of the prompt, served from the prefix cache at first admission
     status: Status = Status.WAITING
     priority: int = 0  # lower runs first (0 interactive, 1 batch)
+    # time.monotonic() when it arrived, was first scheduled and produced its first token (0.0:
+    # not yet): a request's queueing, prefill and decode, for the worker's traces and metrics.
     arrival: float = 0.0
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
     cache_salt: str | None = None
     adapter_id: str | None = None
     fairness_key: str | None = None

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
+from tokenmill import tracing
 from tokenmill.errors import APIError
 from tokenmill.protocol import GenerateDelta, GenerateRequest, KvOp
 from tokenmill.request_limits import check_prompt
@@ -397,6 +398,7 @@ class VllmGenerator:
         k = req.sampling.logprobs
         payload = msgspec.json.encode(self.body(req, vllm_id))
         headers = {"content-type": "application/json"}
+        tracing.inject(headers)  # vLLM's own spans (its --otlp-traces-endpoint) join the request's trace
         try:
             async with self._client.stream(
                 "POST", "/v1/completions", content=payload, headers=headers, timeout=self._stream_timeout

@@ -114,12 +114,14 @@ locals {
         TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
       }
     }
+    # The workers' token too: what Prometheus scrapes its /metrics with (as every service's).
     tokenmill-autoscaler = {
-      remote = merge(local.remote.app_db, local.remote.internal, local.remote.key, local.remote.redis_for["autoscaler"])
+      remote = merge(local.remote.app_db, local.remote.internal, local.remote.worker, local.remote.key, local.remote.redis_for["autoscaler"])
       data = {
         DATABASE_URL             = local.database_url
         REDIS_URL                = local.redis_url
         TOKENMILL_INTERNAL_TOKEN = "{{ .internal_token }}"
+        TOKENMILL_WORKER_TOKEN   = "{{ .worker_token }}"
         TOKENMILL_SECRET_KEY     = "{{ .secret_key }}"
       }
     }
@@ -146,7 +148,7 @@ locals {
         var.s3_region == null ? {} : { TOKENMILL_S3_REGION = var.s3_region },
       )
     }
-    # Prometheus scrapes the workers' /metrics with the workers' token (PodMonitor below).
+    # Prometheus scrapes every /metrics (workers and services) with the workers' token.
     tokenmill-metrics = {
       remote = local.remote.worker
       data   = { token = "{{ .worker_token }}" }
@@ -1530,7 +1532,7 @@ resource "helm_release" "monitoring" {
 
   values = [yamlencode({ manifests = module.monitoring.manifests })]
 
-  depends_on = [helm_release.secrets] # the workers' metrics token
+  depends_on = [helm_release.secrets] # the metrics token
 }
 
 # --- ingress ----------------------------------------------------------------------------------

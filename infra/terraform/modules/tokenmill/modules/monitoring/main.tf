@@ -4,13 +4,22 @@
 locals {
   labels = { "app.kubernetes.io/part-of" = "tokenmill" }
 
+  # The services' /metrics (gateway, control plane, autoscaler) answer the workers' token too:
+  # one Secret, the narrowest token, reads every process's metrics.
+  scrape_token = { type = "Bearer", credentials = { name = var.metrics_secret, key = "token" } }
+
   service_monitor = {
     apiVersion = "monitoring.coreos.com/v1"
     kind       = "PodMonitor"
     metadata   = { name = "tokenmill-services", namespace = var.namespace, labels = local.labels }
     spec = {
-      selector            = { matchExpressions = [{ key = "app.kubernetes.io/name", operator = "In", values = var.services }] }
-      podMetricsEndpoints = [{ port = "http", path = "/metrics", interval = "30s" }]
+      selector = { matchExpressions = [{ key = "app.kubernetes.io/name", operator = "In", values = var.services }] }
+      podMetricsEndpoints = [{
+        port          = "http"
+        path          = "/metrics"
+        interval      = "30s"
+        authorization = local.scrape_token
+      }]
     }
   }
 
@@ -26,7 +35,7 @@ locals {
         port          = "http"
         path          = "/metrics"
         interval      = "15s"
-        authorization = { type = "Bearer", credentials = { name = var.metrics_secret, key = "token" } }
+        authorization = local.scrape_token
       }]
     }
   }
@@ -108,12 +117,16 @@ locals {
     },
   ]
 
+  # The alerts on Tokenmill's own metrics (the TTFT SLO, errors, workers, ledger, spool): one
+  # rule file that plain Prometheus loads as it is and tests/infra/test_grafana.py checks.
+  platform_groups = yamldecode(file("${path.module}/../../../../../prometheus/alerts.yml")).groups
+
   rules = {
     apiVersion = "monitoring.coreos.com/v1"
     kind       = "PrometheusRule"
     metadata   = { name = "tokenmill", namespace = var.namespace, labels = local.labels }
     spec = {
-      groups = [{
+      groups = concat([{
         name = "tokenmill"
         rules = [
           for a in local.alerts : {
@@ -124,7 +137,7 @@ locals {
             annotations = { summary = a.summary, description = a.description }
           }
         ]
-      }]
+      }], local.platform_groups)
     }
   }
 }

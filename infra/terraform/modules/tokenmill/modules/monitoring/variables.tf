@@ -9,7 +9,7 @@ variable "services" {
 }
 
 variable "metrics_secret" {
-  description = "Secret (key token) holding the bearer token of the workers' /metrics."
+  description = "Secret (key token) holding the workers' token, which every /metrics (services and workers) asks for."
   type        = string
 }
 

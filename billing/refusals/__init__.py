@@ -1,0 +1,1 @@
+"""Refused requests per organisation, API key, reason and minute, added up by the gateways."""
