@@ -73,6 +73,8 @@ MAX_TOKENS = 8
 PROMPT = "Write one short sentence about the sea."
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The process whose CPU is a target's own, by target name (gateways are named as their process).
+# py-spy comes with the dev extras, in the venv beside this Python (not necessarily on PATH).
+PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
 OWN = {"worker (direct)": "worker", "bare forwarder": "bare", "bare forwarder (httpx)": "bare-httpx"}
 
 WRK_SCRIPT = """
@@ -729,7 +731,7 @@ def run(
                 watch.append(("control-plane", control.pid))
             for name, pid in watch:
                 spies.append(subprocess.Popen(
-                    ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                    [PY_SPY, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
                      "--nonblocking",
                      "--duration", str(int(args.seconds)), "--output", str(profile / f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
