@@ -14,6 +14,12 @@ Each page is requested twice to warm up, then `--requests` times; the server tim
 `Server-Timing` header the dashboard adds (from the request reaching the dashboard to the
 first byte of the rendered page: queries, aggregation, template), the wall time is the
 client's. Target: every page's p95 server time under 300 ms.
+
+The lists (issue 21): `--keys` API keys in that one organisation (10,000) and `--audit`
+audit entries (100,000, half of them the organisation's, the rest spread over the others),
+written in bulk; the keys and audit-log pages are measured on their first page, on a page
+half-way down (through its cursor), with a search that finds a few rows and with one that
+finds none (the whole list read), as a platform admin and as the organisation's admin.
 """
 
 from __future__ import annotations
@@ -73,6 +79,18 @@ class World:
     key_ids: list[str]
     tenant_email: str
     tenant_org: str
+    seed_seconds: float
+
+
+@dataclass
+class Lists:
+    """The bulk lists and the cursors of the pages half-way down them."""
+
+    keys: int
+    audit: int
+    tenant_audit: int
+    key_cursor: str  # the key the keys page (newest first) reaches after keys/2 rows
+    audit_cursor: int  # the entry the audit page (newest first) reaches after audit/2 rows
     seed_seconds: float
 
 
@@ -157,6 +175,79 @@ async def seed(db_url: str, rows: int, home: Path) -> World:
     return World(org_ids, key_ids, "admin@bench.test", org_ids[0], time.perf_counter() - started)
 
 
+async def seed_lists(db_url: str, world: World, keys: int, entries: int) -> Lists:
+    """`keys` API keys in the tenant organisation (created ten to a second, so timestamps
+    tie) and `entries` audit entries over DAYS days, half of them the tenant's, with the
+    snapshots a key's change writes, all by bulk insert."""
+    from sqlalchemy import insert, select
+
+    from control_plane.audit.models import AuditEntry
+    from control_plane.audit.services import ACTIONS, RESOURCE_TYPES
+    from control_plane.orgs.models import ApiKey, User
+    from tokenmill.db import make_engine, make_sessionmaker, new_id
+
+    started = time.perf_counter()
+    engine = make_engine(db_url)
+    sm = make_sessionmaker(engine)
+    rng = random.Random(21)
+    start = datetime.now(UTC) - timedelta(days=DAYS)
+    key_ids: list[str] = []
+    async with sm() as session, session.begin():
+        users = list(await session.scalars(select(User.id)))
+        for lo in range(0, keys, 5000):
+            rows = []
+            for i in range(lo, min(keys, lo + 5000)):
+                key_ids.append(new_id("key"))
+                rows.append(
+                    {
+                        "id": key_ids[-1],
+                        "org_id": world.tenant_org,
+                        "name": f"bulk-key-{i:05d}",
+                        "prefix": f"tm-b{i:07d}",
+                        "hash": "0" * 64,
+                        "role": "member",
+                        "created_at": start + timedelta(seconds=i // 10),
+                    }
+                )
+            await session.execute(insert(ApiKey), rows)
+    actors = key_ids[:200] + world.key_ids
+    tenant = 0
+    async with sm() as session, session.begin():
+        for lo in range(0, entries, 5000):
+            rows = []
+            for i in range(lo, min(entries, lo + 5000)):
+                mine = i % 2 == 0
+                tenant += mine
+                org = world.tenant_org if mine else world.org_ids[1 + i % (len(world.org_ids) - 1)]
+                by_user = rng.random() < 0.3
+                snap = {"id": rng.choice(key_ids), "org_id": org, "name": f"bulk-key-{i % keys:05d}",
+                        "max_concurrent": rng.randint(1, 9), "revoked_at": None}  # fmt: skip
+                rows.append(
+                    {
+                        "at": start + timedelta(seconds=i * DAYS * 86400 / entries),
+                        "actor_user_id": rng.choice(users) if by_user else None,
+                        "actor_key_id": None if by_user else rng.choice(actors),
+                        "org_id": org,
+                        "action": rng.choice(ACTIONS),
+                        "resource_type": rng.choice(RESOURCE_TYPES),
+                        "resource_id": snap["id"],
+                        "before": snap,
+                        "after": snap | {"max_concurrent": snap["max_concurrent"] + 1},
+                    }
+                )
+            await session.execute(insert(AuditEntry), rows)
+    async with sm() as session:
+        newest_first = select(ApiKey.id).where(ApiKey.org_id == world.tenant_org)
+        newest_first = newest_first.order_by(ApiKey.created_at.desc(), ApiKey.id.desc())
+        key_cursor = await session.scalar(newest_first.offset(keys // 2).limit(1))
+        audit_cursor = await session.scalar(
+            select(AuditEntry.id).order_by(AuditEntry.id.desc()).offset(entries // 2).limit(1)
+        )
+    await engine.dispose()
+    assert key_cursor is not None and audit_cursor is not None
+    return Lists(keys, entries, tenant, key_cursor, audit_cursor, time.perf_counter() - started)
+
+
 # --- the server -----------------------------------------------------------------------------
 
 
@@ -226,7 +317,7 @@ async def measure(client: httpx.AsyncClient, path: str, n: int) -> tuple[list[fl
 
 
 async def bench_backend(
-    backend: str, db_url: str, rows: int, n: int, home: Path
+    backend: str, db_url: str, rows: int, n: int, home: Path, keys: int, entries: int
 ) -> tuple[list[PageResult], str]:
     import migrations
 
@@ -236,6 +327,9 @@ async def bench_backend(
     print(
         f"[{backend}] seeded {rows:,} usage rows and their rollups in {world.seed_seconds:.1f}s", flush=True
     )
+    lists = await seed_lists(db_url, world, keys, entries)
+    print(f"[{backend}] seeded {keys:,} keys and {entries:,} audit entries in {lists.seed_seconds:.1f}s")
+    tenant_keys = f"/dashboard/keys?org={world.tenant_org}"
     today = datetime.now(UTC).date()
     month = f"from={(today - timedelta(days=DAYS)).isoformat()}&to={today.isoformat()}"
     per_org = rows // ORGS
@@ -246,8 +340,28 @@ async def bench_backend(
         ("usage 31 days", f"/dashboard/usage?{month}", "platform_admin", rows),
         ("usage 31 days, one key", f"/dashboard/usage?{month}&key={world.key_ids[7]}", "platform_admin",
          rows // len(world.key_ids)),
+        # spend of a model name: the ledger priced hour by hour (the rollups are per base model)
+        ("usage 31 days, one model", f"/dashboard/usage?{month}&model={MODEL}", "platform_admin", rows),
         ("overview", "/dashboard/", "org_admin", per_org // DAYS),
         ("usage 31 days", f"/dashboard/usage?{month}", "org_admin", per_org),
+        # the lists: a first page, a page half-way down by its cursor, a search finding ten
+        # rows and one finding none (every row read)
+        ("keys, first page", tenant_keys, "platform_admin", keys),
+        ("keys, page by cursor", f"{tenant_keys}&after={lists.key_cursor}", "platform_admin", keys),
+        ("keys, search", f"{tenant_keys}&q=key-0420", "platform_admin", keys),
+        ("keys, search, no match", f"{tenant_keys}&q=nothing-like-it", "platform_admin", keys),
+        ("keys, first page", "/dashboard/keys", "org_admin", keys),
+        ("keys, search", "/dashboard/keys?q=key-0420", "org_admin", keys),
+        ("audit, first page", "/dashboard/audit", "platform_admin", entries),
+        ("audit, page by cursor", f"/dashboard/audit?after={lists.audit_cursor}", "platform_admin", entries),
+        ("audit, search", "/dashboard/audit?q=bulk-key-0001", "platform_admin", entries),
+        ("audit, search, no match", "/dashboard/audit?q=nothing-like-it", "platform_admin", entries),
+        ("audit, type and action", "/dashboard/audit?resource_type=plan&action=rotate", "platform_admin",
+         entries),
+        ("audit, first page", "/dashboard/audit", "org_admin", lists.tenant_audit),
+        ("audit, page by cursor", f"/dashboard/audit?after={lists.audit_cursor}", "org_admin",
+         lists.tenant_audit),
+        ("audit, search, no match", "/dashboard/audit?q=nothing-like-it", "org_admin", lists.tenant_audit),
     ]  # fmt: skip
     results = []
     async with serve(db_url, home) as base:
@@ -308,6 +422,8 @@ def main() -> None:
     p.add_argument("--requests", type=int)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--backends", default="sqlite,postgresql")
+    p.add_argument("--keys", type=int, default=10_000, help="API keys in one organisation")
+    p.add_argument("--audit", type=int, default=100_000, help="audit entries")
     p.add_argument("--database-url", default=DEFAULT_SERVER, help="a maintenance database on the server")
     args = p.parse_args()
     rows = args.rows or (10_000 if args.quick else 100_000)
@@ -325,7 +441,9 @@ def main() -> None:
             else:
                 ctx = _sqlite(tmp)
             with ctx as db_url:
-                found, versions[backend] = asyncio.run(bench_backend(backend, db_url, rows, n, tmp))
+                found, versions[backend] = asyncio.run(
+                    bench_backend(backend, db_url, rows, n, tmp, args.keys, args.audit)
+                )
                 results += found
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -342,6 +460,8 @@ def main() -> None:
             "days": DAYS,
             "organisations": ORGS,
             "keys": ORGS * KEYS_PER_ORG,
+            "bulk_keys_in_one_organisation": args.keys,
+            "audit_entries": args.audit,
             "requests_per_page": n,
             "server_time": "Server-Timing header: request in to first byte out, in the dashboard app",
             # Other processes share the 2 cores: the load says how much they took.

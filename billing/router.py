@@ -1,4 +1,5 @@
-"""Billing's admin endpoints under /admin/v1: prices, rollups, invoices and exports.
+"""Billing's admin endpoints under /admin/v1: prices, rollups, invoices, exports, usage by
+model and key (priced), and an organisation's limits against its use.
 
 Behind the control plane's admin guard (`require_admin`): platform admins see and manage
 everything; organisation admins read the price book and their own organisation's invoices
@@ -14,6 +15,8 @@ from litestar.di import Provide
 
 from billing.exports.controllers import ExportController
 from billing.invoices.controllers import InvoiceController
+from billing.ledger.controllers import UsageController
+from billing.limits.controllers import LimitsController
 from billing.prices.controllers import PriceController
 from billing.rollups.controllers import RollupController
 from control_plane.deps import provide_admin, require_admin
@@ -24,7 +27,14 @@ def billing_router() -> Router:
     Router per app, as `admin_router`)."""
     return Router(
         path="/admin/v1",
-        route_handlers=[PriceController, RollupController, InvoiceController, ExportController],
+        route_handlers=[
+            PriceController,
+            RollupController,
+            InvoiceController,
+            ExportController,
+            LimitsController,
+            UsageController,
+        ],
         guards=[require_admin],
         dependencies={"admin": Provide(provide_admin, sync_to_thread=False)},
     )

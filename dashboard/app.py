@@ -44,6 +44,7 @@ from dashboard.auth import (
 )
 from dashboard.controllers import ROUTES
 from dashboard.fleet import FleetStatus
+from dashboard.web import layout
 from tokenmill.bodies import Request as BodyRequest
 from tokenmill.bus import EventBus
 from tokenmill.errors import APIError
@@ -77,12 +78,38 @@ FORM_BODY_BYTES = 1 << 20
 # --- error pages ----------------------------------------------------------------------------
 
 
+ERROR_NAMES = {
+    400: "That did not work",
+    403: "Not allowed",
+    404: "Not found",
+    409: "Not possible now",
+    413: "Too large",
+    429: "Too many requests",
+    500: "Server error",
+}
+
+
 def _error_page(request: Request[Any, Any, Any], status: int, message: str) -> Response[Any]:
-    return Template(
-        "error.html",
-        context={"status": status, "message": message, "base": PREFIX, "title": f"Error {status}"},
-        status_code=status,
-    )
+    # Inside the layout, with the navigation when the guard saw who is signed in (every page
+    # of the dashboard, unknown paths included: see `controllers.unknown_page`).
+    context = layout(request, f"{ERROR_NAMES.get(status, 'Error')} ({status})") | {
+        "status": status,
+        "message": message,
+        "back": _came_from(request),
+    }
+    return Template("error.html", context=context, status_code=status)
+
+
+def _came_from(request: Request[Any, Any, Any]) -> str | None:
+    """The dashboard page that led here (the form's page, after a refused post), if any."""
+    referer = urlsplit(request.headers.get("referer", ""))
+    if referer.netloc and referer.netloc != request.headers.get("host"):
+        return None
+    here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    target = referer.path + (f"?{referer.query}" if referer.query else "")
+    if not referer.path.startswith(PREFIX + "/") or target == here or referer.path == PREFIX + "/login":
+        return None
+    return target
 
 
 def _login_required(request: Request[Any, Any, Any], _: LoginRequired) -> Response[Any]:

@@ -188,8 +188,8 @@ async def require_login(connection: ASGIConnection[Any, Any, Any, Any], handler:
             await unit.dashboard_sessions.end(token)
         raise NoDashboard()
     open_while_suspended = bool(handler.opt.get(OPEN_WHILE_SUSPENDED))
+    connection.state.user = user  # before `admit`, so the page refusing them still has the nav
     connection.state.admin = admit(
         user.role, user.org_id, org, while_suspended=open_while_suspended, user_id=user.id
     )
-    connection.state.user = user
     connection.state.session_token = token

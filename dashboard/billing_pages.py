@@ -1,26 +1,25 @@
-"""The dashboard's usage, invoice, price and plan pages (HTTP only: reads and writes go
-through billing's and the control plane's services; services.py shapes the charts' windows).
+"""The dashboard's invoice, price and plan pages (HTTP only: reads and writes go through
+billing's and the control plane's services); the usage pages are in usage_pages.py.
 
-Downloads are billing's exports (billing/exports/services.py): the same files as the admin
-API's `GET /admin/v1/exports/...`; an invoice's PDF is the admin API's
+An invoice's downloads are billing's exports (billing/exports/services.py): the same files as
+the admin API's `GET /admin/v1/exports/...`; its PDF is the admin API's
 `GET /admin/v1/invoices/{id}/pdf` (billing/invoices/pdf.py). Running rollups, generating
 invoices and finalizing one call the jobs and services the admin API's billing endpoints
 call, for platform admins only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
-from litestar.response import Redirect, Stream, Template
+from litestar.response import Redirect, Template
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.common import as_utc, time_range
-from billing.exports.services import ExportQuery, export_chunks, invoice_document
+from billing.exports.services import invoice_document
 from billing.invoices.pdf import PDF_MEDIA_TYPE, invoice_pdf, pdf_filename
 from billing.invoices.services import finalize_invoice_as, get_invoice, invoice_number, list_invoices
 from billing.jobs import build_invoices, rollup_hours
@@ -34,14 +33,10 @@ from control_plane.policy import (
 )
 from control_plane.unit import UnitOfWork
 from control_plane.wire import parse
-from dashboard import charts
 from dashboard.filters import money, when
+from dashboard.lists import Pager, list_query
 from dashboard.services import (
-    Series,
-    UsageFilter,
     org_names,
-    usage_series,
-    window,
 )
 from dashboard.web import (
     admin_of,
@@ -53,153 +48,6 @@ from dashboard.web import (
 )
 from tokenmill.errors import APIError
 
-# --- usage charts ---------------------------------------------------------------------------
-
-
-def usage_charts(series: Series, prefix: str) -> list[dict[str, Any]]:
-    """The charts of a usage series: requests, tokens, spend (when known) and error rate."""
-    hourly = series.window.hourly
-
-    def points(value: Callable[[Any], float]) -> list[charts.Point]:
-        return [charts.Point(b.at, value(b)) for b in series.buckets]
-
-    out = [
-        ("requests", "Requests", points(lambda b: b.requests), "bar", charts.compact),
-        ("tokens", "Tokens (prompt + completion)", points(lambda b: b.tokens), "bar", charts.compact),
-    ]
-    if series.spend_known:
-        currency = series.currency.upper()
-        out.append(
-            (
-                "spend",
-                f"Spend ({currency}, from hourly rollups)",
-                points(lambda b: float(b.spend or 0)),
-                "bar",
-                lambda v: money(v, None),
-            )
-        )
-    out.append(("errors", "Error rate", points(lambda b: b.error_rate), "line", lambda v: f"{v * 100:.1f}%"))
-    return [
-        {
-            "id": f"{prefix}-{key}",
-            "title": title,
-            "svg": charts.render(
-                pts, chart_id=f"{prefix}-{key}", title=title, hourly=hourly, kind=kind, fmt=fmt
-            ),
-        }
-        for key, title, pts, kind, fmt in out
-    ]
-
-
-# --- usage ----------------------------------------------------------------------------------
-
-
-async def _usage_filter(
-    uow: UnitOfWork, admin: Principal, org: str | None, key: str | None, model: str | None
-) -> tuple[UsageFilter, Any]:
-    org_id = await uow.orgs.scope(org, admin)
-    found = None
-    if key:
-        found = await uow.keys.visible(key, admin)
-        if org_id is not None and found.org_id != org_id:
-            raise APIError(404, f"No API key '{key}'.", code="not_found")
-    return UsageFilter(org_id=org_id, key_id=found.id if found else None, model=model or None), found
-
-
-@get("/usage", opt=WHILE_SUSPENDED)
-async def usage(
-    request: Request[Any, Any, Any],
-    uow: NamedDependency[UnitOfWork],
-    org: FromQuery[str | None] = None,
-    key: FromQuery[str | None] = None,
-    model: FromQuery[str | None] = None,
-    range: FromQuery[str | None] = None,
-    to: FromQuery[str | None] = None,
-) -> Template:
-    admin = admin_of(request)
-    start = request.query_params.get("from")  # a Python keyword, so not a parameter
-    filt, _ = await _usage_filter(uow, admin, org, key, model)
-    win = window(range or ("7d" if not (start or to) else None), start, to)
-    series = await usage_series(uow.session, win, filt)
-    key_choices = await uow.keys.list_for_org(filt.org_id) if filt.org_id else []
-    deps = await uow.deployments.list_visible(admin)
-    names = sorted({d.name for d in deps})
-    if filt.org_id:
-        names += sorted(a.name for a in await uow.adapters.list_for_org(filt.org_id))
-    params = {
-        "org": org or "",
-        "key": key or "",
-        "model": model or "",
-        "from": win.from_date,
-        "to": win.to_date,
-    }
-    return page(
-        request,
-        "usage.html",
-        title="Usage",
-        current="usage",
-        series=series,
-        charts=[c for c in usage_charts(series, "usage") if not c["id"].endswith("errors")],
-        win=win,
-        filt=filt,
-        orgs=await org_names(uow.session, admin),
-        key_choices=key_choices,
-        model_names=names,
-        params=params,
-        csv_query="&".join(f"{k}={v}" for k, v in params.items() if v),
-    )
-
-
-@get("/usage.csv", opt=WHILE_SUSPENDED)
-async def usage_export(
-    request: Request[Any, Any, Any],
-    uow: NamedDependency[UnitOfWork],
-    org: FromQuery[str | None] = None,
-    key: FromQuery[str | None] = None,
-    model: FromQuery[str | None] = None,
-    to: FromQuery[str | None] = None,
-) -> Stream:
-    """Every ledger row of the filter, as the admin API's usage export writes them."""
-    return await _export(request, uow, "usage", org, key, model, to)
-
-
-@get("/refusals.csv", opt=WHILE_SUSPENDED)
-async def refusals_export(
-    request: Request[Any, Any, Any],
-    uow: NamedDependency[UnitOfWork],
-    org: FromQuery[str | None] = None,
-    key: FromQuery[str | None] = None,
-    to: FromQuery[str | None] = None,
-) -> Stream:
-    """The refused requests of the filter per key, reason and minute, as the admin API's
-    refusals export writes them (per key: no model filter)."""
-    return await _export(request, uow, "refusals", org, key, None, to)
-
-
-async def _export(
-    request: Request[Any, Any, Any],
-    uow: UnitOfWork,
-    what: str,
-    org: str | None,
-    key: str | None,
-    model: str | None,
-    to: str | None,
-) -> Stream:
-    admin = admin_of(request)
-    start = request.query_params.get("from")  # a Python keyword, so not a parameter
-    filt, _ = await _usage_filter(uow, admin, org, key, model)
-    win = window("7d" if not (start or to) else None, start, to)
-    query = ExportQuery(
-        what, "csv", win.start, win.end, org_id=filt.org_id, key_id=filt.key_id, model=filt.model
-    )
-    name = f"{what}-{filt.org_id or 'all'}-{win.from_date}-{win.to_date}.csv"
-    return Stream(
-        export_chunks(request.app.state.sessionmaker, query),
-        media_type=query.media_type,
-        headers={"content-disposition": f'attachment; filename="{name}"'},
-    )
-
-
 # --- invoices -------------------------------------------------------------------------------
 
 
@@ -210,20 +58,26 @@ async def invoices(
     org: FromQuery[str | None] = None,
     month: FromQuery[str | None] = None,
     status: FromQuery[str | None] = None,
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
 ) -> Template:
     admin = admin_of(request)
     org_id = await uow.orgs.scope(org, admin)
+    query = list_query(q, after, before)
     found = await list_invoices(
-        uow.session, org_id=org_id, month=month or None, status=status or None, limit=200
+        uow.session, org_id=org_id, month=month or None, status=status or None, page=query
     )
+    params = {"org": org or "", "month": month or "", "status": status or ""}
     return page(
         request,
         "invoices.html",
         title="Invoices",
         current="invoices",
-        invoices=found,
+        invoices=found.rows,
+        pager=Pager("/invoices", query, found, "invoices", params),
         orgs=await org_names(uow.session, admin),
-        params={"org": org or "", "month": month or "", "status": status or ""},
+        params=params,
         this_month=f"{datetime.now(UTC):%Y-%m}",
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, get, post
+from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Template
@@ -20,6 +20,7 @@ from control_plane.wire import parse
 from dashboard import PREFIX
 from dashboard.auth import check_csrf
 from dashboard.fleet import LiveWorker
+from dashboard.lists import Pager, list_query
 from dashboard.services import org_names
 from dashboard.web import (
     admin_of,
@@ -70,11 +71,16 @@ async def models(
     request: Request[Any, Any, Any],
     uow: NamedDependency[UnitOfWork],
     org: FromQuery[str | None] = None,
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
 ) -> Template:
     admin = admin_of(request)
     org_id = await org_for_write(uow, admin, org)
     catalogue = list(await uow.models.list_models())
-    adapters = await uow.adapters.list_for_org(org_id)
+    query = list_query(q, after, before)
+    found = await uow.adapters.page_for_org(org_id, query)
+    adapters = found.rows
     names = {m.id: m.name for m in catalogue}
     return page(
         request,
@@ -83,6 +89,7 @@ async def models(
         current="models",
         models=catalogue,
         adapters=adapters,
+        pager=Pager("/models", query, found, "adapters", {"org": org_id}),
         model_names=names,
         org_id=org_id,
         orgs=await org_names(uow.session, admin),
@@ -94,11 +101,14 @@ async def models(
 # before anything else is checked: the token is checked here, before the first file, and
 # Litestar's body limit gives way to the one `read_adapter_upload` derives from the model.
 @post("/adapters", request_max_body_size=None, exclude_from_csrf=True)
-async def upload_adapter(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Redirect:
+async def upload_adapter(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Response[Any]:
     """The two PEFT files, checked against the base model and stored (as the admin API's
-    upload); the page's script sends it with a progress bar, a plain form post works too."""
+    upload). A plain form post gets the page back with a message; the page's script (which
+    sends it with a progress bar) asks for JSON, so it can show a refusal next to the form
+    with what was typed still in it."""
     admin = admin_of(request)
     org_id = admin.org_id
+    script = "application/json" in request.headers.get("accept", "")
 
     async def before_files(form: Form) -> None:
         nonlocal org_id
@@ -106,22 +116,29 @@ async def upload_adapter(request: Request[Any, Any, Any], uow: NamedDependency[U
         # Another organisation's (or a missing) one is a 404 page, as everywhere.
         org_id = await org_for_write(uow, admin, form.text("org"))
 
+    def refused(exc: APIError) -> Response[Any]:
+        if script:
+            return Response({"error": exc.message, "param": exc.param}, status_code=exc.status)
+        flash(request, "error", exc.message)
+        return back(f"/models?org={org_id}")
+
     try:
         upload = await read_adapter_upload(request, uow.adapters, before_files=before_files)
     except APIError as exc:
         if exc.status == 404 or org_id is None:
             raise
-        flash(request, "error", exc.message)
-        return back(f"/models?org={org_id}")
+        return refused(exc)
     try:
         adapter = await uow.adapters.upload(org_id, upload.files, admin)
     except APIError as exc:
         await uow.rollback()
-        flash(request, "error", exc.message)
-        return back(f"/models?org={org_id}")
+        return refused(exc)
     finally:
         await upload.form.close()
-    flash(request, "ok", f"Uploaded adapter {adapter.name} (rank {adapter.rank}); use it as the model name.")
+    message = f"Uploaded adapter {adapter.name} (rank {adapter.rank}); use it as the model name."
+    flash(request, "ok", message)  # for the page either way: the script goes there next
+    if script:
+        return Response({"message": message, "location": f"{PREFIX}/models?org={org_id}"}, status_code=201)
     return back(f"/models?org={org_id}")
 
 
@@ -165,10 +182,17 @@ def _engine_summary(dep: Deployment) -> str:
 
 
 @get("/deployments")
-async def deployments(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Template:
+async def deployments(
+    request: Request[Any, Any, Any],
+    uow: NamedDependency[UnitOfWork],
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
+) -> Template:
     admin = admin_of(request)
-    deps = await uow.deployments.list_visible(admin)
-    fleet, _ = fleet_rows(request, deps, admin)
+    query = list_query(q, after, before)
+    found = await uow.deployments.page_visible(admin, query)
+    fleet, _ = fleet_rows(request, found.rows, admin)
     catalogue = await uow.models.list_models()
     return page(
         request,
@@ -176,6 +200,7 @@ async def deployments(request: Request[Any, Any, Any], uow: NamedDependency[Unit
         title="Deployments",
         current="deployments",
         fleet=fleet,
+        pager=Pager("/deployments", query, found, "deployments"),
         models=[m for m in catalogue],
         model_names={m.id: m.name for m in catalogue},
         orgs=await org_names(uow.session, admin),

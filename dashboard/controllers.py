@@ -1,13 +1,12 @@
-"""The dashboard's sign-in, overview and routes; the other pages are in org_pages.py,
-catalog_pages.py, batch_pages.py and billing_pages.py (HTTP only: reads are in services.py,
-writes go through the control plane's and billing's services, which check roles and write the
-audit log).
+"""The dashboard's sign-in, overview and routes; the other pages are in the `*_pages.py`
+modules imported below (HTTP only: reads are in services.py, writes go through the control
+plane's and billing's services, which check roles and write the audit log).
 
 Forms post back and redirect (303) with a one-line message in a cookie, so reloading a
-page never repeats a change; the two exceptions render a new API key's secret directly, the
-only time it is ever shown. Each request is one unit of work (control_plane/unit.py), as on
-the admin API: the services hold every rule (control_plane/policy.py), and what gateways cache
-is announced once the change is committed.
+page never repeats a change; a new API key's secret travels the same way, to the one page
+that shows it once (org_pages.key_created). Each request is one unit of work
+(control_plane/unit.py), as on the admin API: the services hold every rule
+(control_plane/policy.py), and what gateways cache is announced once the change is committed.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from typing import Any
 
 from litestar import Request, Response, Router, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromQuery
+from litestar.exceptions import NotFoundException
+from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Template
 
 from control_plane.policy import (
@@ -27,6 +27,7 @@ from control_plane.policy import (
 from control_plane.unit import UnitOfWork
 from dashboard import PREFIX
 from dashboard.account_pages import account, change_password
+from dashboard.audit_pages import audit_log
 from dashboard.auth import (
     check_login_rate,
     require_login,
@@ -46,11 +47,7 @@ from dashboard.billing_pages import (
     invoice_download,
     invoices,
     prices,
-    refusals_export,
     run_rollups,
-    usage,
-    usage_charts,
-    usage_export,
 )
 from dashboard.catalog_pages import (
     create_deployment,
@@ -63,11 +60,13 @@ from dashboard.catalog_pages import (
     update_deployment,
     upload_adapter,
 )
+from dashboard.limits_pages import limits
 from dashboard.org_pages import (
     assign_plan,
     create_key,
     create_organization,
     create_user,
+    key_created,
     keys,
     organization,
     organizations,
@@ -83,6 +82,7 @@ from dashboard.services import (
     usage_series,
     window,
 )
+from dashboard.usage_pages import refusals_export, usage, usage_charts, usage_export
 from dashboard.web import (
     admin_of,
     form_fields,
@@ -184,6 +184,13 @@ async def overview(
     )
 
 
+@get("/{rest:path}")
+async def unknown_page(rest: FromPath[str]) -> None:
+    """Any other path: behind the sign-in like every page, so its 404 page has the navigation
+    (the router's own 404 comes before any guard)."""
+    raise NotFoundException()
+
+
 # --- the routes -----------------------------------------------------------------------------
 
 PAGES = [
@@ -199,6 +206,7 @@ PAGES = [
     update_user,
     keys,
     create_key,
+    key_created,
     revoke_key,
     rotate_key,
     models,
@@ -215,6 +223,7 @@ PAGES = [
     usage,
     usage_export,
     refusals_export,
+    limits,
     invoices,
     invoice,
     invoice_download,
@@ -225,6 +234,8 @@ PAGES = [
     add_model_price,
     add_gpu_price,
     create_plan,
+    audit_log,
+    unknown_page,
 ]
 
 # Everything but the login form needs a signed-in admin.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
@@ -19,7 +20,8 @@ from control_plane.policy import (
 from control_plane.unit import UnitOfWork
 from control_plane.wire import parse
 from dashboard import PREFIX
-from dashboard.services import org_names
+from dashboard.lists import Pager, list_query
+from dashboard.services import PRESETS, key_activity, org_names, window
 from dashboard.web import (
     admin_of,
     attempt,
@@ -36,13 +38,21 @@ from tokenmill.errors import APIError
 
 
 @get("/orgs")
-async def organizations(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Response[Any]:
+async def organizations(
+    request: Request[Any, Any, Any],
+    uow: NamedDependency[UnitOfWork],
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
+) -> Response[Any]:
     admin = admin_of(request)
     if not admin.is_platform_admin:
         return Redirect(f"{PREFIX}/orgs/{admin.org_id}", status_code=303)
-    orgs = await uow.orgs.list_visible(admin)
+    query = list_query(q, after, before)
+    found = await uow.orgs.page_visible(admin, query)
     plans = {p.id: p.name for p in await uow.plans.list_plans()}
-    return page(request, "orgs.html", title="Organisations", current="orgs", orgs=orgs, plans=plans)
+    pager = Pager("/orgs", query, found, "organisations")
+    return page(request, "orgs.html", title="Organisations", current="orgs", pager=pager, plans=plans)
 
 
 @post("/orgs")
@@ -179,12 +189,24 @@ async def keys(
     request: Request[Any, Any, Any],
     uow: NamedDependency[UnitOfWork],
     org: FromQuery[str | None] = None,
+    range: FromQuery[str | None] = None,
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
 ) -> Template:
     admin = admin_of(request)
     org_id = await org_for_write(uow, admin, org)
     now = datetime.now(UTC)
-    rows = [(k, _key_status(k, now)) for k in await uow.keys.list_for_org(org_id)]
+    query = list_query(q, after, before, "desc")  # newest first: a new key is on the first page
+    found = await uow.keys.page_for_org(org_id, query)
+    pager = Pager("/keys", query, found, "keys", {"org": org_id, "range": range or ""})
+    rows = [(k, _key_status(k, now)) for k in found.rows]
     users = {u.id: u.email for u in await uow.users.list_for_org(org_id)}
+    # Requests, tokens and spend of the listed keys over a preset range, in one query.
+    activity_window = window(range if range in PRESETS else "30d")
+    activity = await key_activity(uow.session, activity_window, org_id, [k.id for k, _ in rows])
+    kept = {k: v for k, v in request.query_params.items() if k != "range"}
+    activity_links = {p: urlencode(kept | {"range": p}) for p in PRESETS}
     return page(
         request,
         "keys.html",
@@ -195,23 +217,46 @@ async def keys(
         keys=rows,
         users=users,
         roles=grantable_roles(admin),
+        activity=activity,
+        activity_window=activity_window,
+        activity_links=activity_links,
+        pager=pager,
     )
 
 
-def _created(request: Request[Any, Any, Any], created: CreatedKey, verb: str) -> Template:
+# A new key's secret waits for the one page that shows it in the encrypted message cookie
+# (never in a URL or on the server); that page takes it out, so a reload shows it no more.
+NEW_SECRET = "new_key"
+
+
+def _created(request: Request[Any, Any, Any], created: CreatedKey, verb: str) -> Redirect:
+    request.session[NEW_SECRET] = {"id": created.key.id, "secret": created.secret, "verb": verb}
+    return back(f"/keys/{created.key.id}/created")
+
+
+@get("/keys/{key_id:str}/created")
+async def key_created(
+    request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork], key_id: FromPath[str]
+) -> Template:
+    """Where creating or rotating a key lands (post/redirect/get): its secret, the first time."""
+    key = await uow.keys.visible(key_id, admin_of(request))
+    held = request.session.get(NEW_SECRET)
+    shown = held if isinstance(held, dict) and held.get("id") == key.id else None
+    if shown is not None:
+        request.session.pop(NEW_SECRET)
     return page(
         request,
         "key_created.html",
-        title="Your new API key",
+        title="Your new API key" if shown else "API key",
         current="keys",
-        key=created.key,
-        secret=created.secret,
-        verb=verb,
+        key=key,
+        secret=shown["secret"] if shown else None,
+        verb=shown["verb"] if shown else "created",
     )
 
 
-@post("/keys", status_code=200)
-async def create_key(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Response[Any]:
+@post("/keys")
+async def create_key(request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork]) -> Redirect:
     admin = admin_of(request)
     fields = await form_fields(request)
     org_id = await org_for_write(uow, admin, fields.get("org"))
@@ -252,10 +297,10 @@ async def revoke_key(
     return await attempt(request, uow, f"/keys?org={found.org_id}", act)
 
 
-@post("/keys/{key_id:str}/rotate", status_code=200)
+@post("/keys/{key_id:str}/rotate")
 async def rotate_key(
     request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork], key_id: FromPath[str]
-) -> Response[Any]:
+) -> Redirect:
     admin = admin_of(request)
     service = uow.keys
     key = await service.visible(key_id, admin)

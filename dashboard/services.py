@@ -2,25 +2,29 @@
 charts, and who sees which organisations.
 
 Nothing here reads a table: the numbers come from billing's services (the ledger per
-bucket, refused requests from the refusal counts, spend from the rollups) and the control
+bucket and model, refused requests from the refusal counts, spend from the rollups or the
+ledger priced as they price it, usage per model and key with its cost) and the control
 plane's (organisations), which also hold every rule; writes go through the same services as
 the admin API's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
-from advanced_alchemy.filters import CollectionFilter
+from advanced_alchemy.filters import CollectionFilter, LimitOffset, OrderBy
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.common import as_utc
-from billing.ledger.services import UsageFilter, usage_per_bucket
+from billing.ledger.services import UsageCounts, UsageFilter, usage_per_bucket
 from billing.refusals.services import refusals_by_reason, refusals_per_bucket
 from billing.rollups.services import spend_per_bucket
+from billing.rollups.usage import UsageGroup, regroup, spend_of, usage_by, usage_by_bucket
+from control_plane.orgs.keys import ApiKeyService
+from control_plane.orgs.models import ApiKey
 from control_plane.orgs.services import OrganizationService
 from control_plane.policy import ACTIVE, SUSPENDED, Principal
 from tokenmill.db import utcnow
@@ -129,7 +133,7 @@ class Bucket:
     completion: int = 0
     errors: int = 0  # answered requests that failed
     refused: int = 0  # requests refused before any worker ran them (401, 429, ...)
-    spend: Decimal | None = None  # None: not known for this filter (see `usage_series`)
+    spend: Decimal = Decimal(0)
 
     @property
     def tokens(self) -> int:
@@ -147,22 +151,39 @@ class Series:
     window: Window
     buckets: list[Bucket]
     currency: str = "usd"
-    spend_known: bool = True
+    # Where spend comes from: the hourly rollups (what invoices are built from) without a key
+    # or model filter; the ledger priced the same way with one (rollups are per organisation
+    # and base model, not per key or client-facing name).
+    spend_from: str = "rollups"
     # Refusals are counted per organisation and key, not per model name (a refused request
     # may name none, or one that does not exist), so with a model filter they are unknown.
     refusals_known: bool = True
     refused_by_reason: dict[str, int] = field(default_factory=dict)
     totals: Bucket = field(default_factory=lambda: Bucket(datetime.fromtimestamp(0, UTC)))
+    # With `detailed`: per bucket, the ledger by model name (as clients used it), base model
+    # and API key, priced: what the charts stack and the breakdown tables sum.
+    groups: list[list[UsageGroup]] | None = None
 
 
-async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) -> Series:
+async def usage_series(
+    session: AsyncSession, win: Window, filt: UsageFilter, *, detailed: bool = False
+) -> Series:
     """Requests, tokens and errors per bucket from the ledger; refused requests from the
     gateways' refusal counts; spend per bucket from the hourly rollups (what invoices are
-    built from). Rollups are per organisation and base model, not per key or public model
-    name, so with a key or model filter spend is unknown; with a model filter, so are
-    refusals."""
+    built from), or, with a key or model filter, from the ledger priced as the rollups price
+    it (they are per organisation and base model). With a model filter refusals are unknown.
+
+    `detailed` reads the ledger per bucket, model name and key, priced, in one round trip
+    (the usage page's charts by model and tables by model and key come from it); otherwise
+    only its totals per bucket (the overview)."""
     starts = win.starts()
-    counts = await usage_per_bucket(session, starts, win.end, filt)
+    filtered = filt.key_id is not None or filt.model is not None
+    groups = None
+    if detailed or filtered:
+        groups = await usage_by_bucket(session, starts, win.end, filt, ("model", "base_model", "key"))
+        counts: Sequence[UsageCounts] = [_summed(b) for b in groups]
+    else:
+        counts = await usage_per_bucket(session, starts, win.end, filt)
     buckets = [
         Bucket(t, c.requests, c.prompt, c.cached, c.completion, c.errors)
         for t, c in zip(starts, counts, strict=True)
@@ -170,8 +191,9 @@ async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) ->
     series = Series(
         win,
         buckets,
-        spend_known=filt.key_id is None and filt.model is None,
+        spend_from="ledger" if filtered else "rollups",
         refusals_known=filt.model is None,
+        groups=groups if detailed else None,
     )
     if series.refusals_known:
         refused = await refusals_per_bucket(session, starts, win.end, filt.org_id, filt.key_id)
@@ -181,10 +203,12 @@ async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) ->
             series.refused_by_reason = await refusals_by_reason(
                 session, starts[0], win.end, filt.org_id, filt.key_id
             )
-    if series.spend_known:
+    if groups is not None and filtered:
+        series.currency, spend = spend_of(groups)
+    else:
         series.currency, spend = await spend_per_bucket(session, starts, win.end, filt.org_id)
-        for bucket, amount in zip(buckets, spend, strict=True):
-            bucket.spend = amount
+    for bucket, amount in zip(buckets, spend, strict=True):
+        bucket.spend = amount
     totals = series.totals
     for bucket in series.buckets:
         totals.requests += bucket.requests
@@ -193,6 +217,136 @@ async def usage_series(session: AsyncSession, win: Window, filt: UsageFilter) ->
         totals.completion += bucket.completion
         totals.errors += bucket.errors
         totals.refused += bucket.refused
-        if bucket.spend is not None:
-            totals.spend = (totals.spend or Decimal(0)) + bucket.spend
+        totals.spend += bucket.spend
     return series
+
+
+def _summed(groups: Iterable[UsageGroup]) -> UsageGroup:
+    total = UsageGroup()
+    for g in groups:
+        total.add(g)
+    return total
+
+
+# --- stacked by model -----------------------------------------------------------------------
+
+# Charts stack this many models (the most tokens over the range) and "other" for the rest, so
+# colours stay few enough to tell apart.
+TOP_MODELS = 5
+OTHER = "other models"
+
+
+@dataclass(frozen=True, slots=True)
+class Stacks:
+    """Per bucket, the requests and tokens of each of `names` (the top models, then OTHER)."""
+
+    names: list[str]
+    requests: list[list[int]]  # [bucket][name]
+    tokens: list[list[int]]
+
+
+def model_stacks(series: Series, top: int = TOP_MODELS) -> Stacks | None:
+    """The series' per-model counts as at most `top` models plus OTHER (None: not detailed)."""
+    if series.groups is None:
+        return None
+    totals: dict[str, list[int]] = {}
+    for bucket in series.groups:
+        for g in bucket:
+            total = totals.setdefault(g.model or "", [0, 0])
+            total[0] += g.tokens
+            total[1] += g.requests
+    ranked = sorted(totals, key=lambda n: (-totals[n][0], -totals[n][1], n))
+    names = ranked[:top] + ([OTHER] if len(ranked) > top else [])
+    index = {n: min(i, top) for i, n in enumerate(ranked)}
+    requests = [[0] * len(names) for _ in series.groups]
+    tokens = [[0] * len(names) for _ in series.groups]
+    for b, bucket in enumerate(series.groups):
+        for g in bucket:
+            requests[b][index[g.model or ""]] += g.requests
+            tokens[b][index[g.model or ""]] += g.tokens
+    return Stacks(names, requests, tokens)
+
+
+# --- usage by model and key -----------------------------------------------------------------
+
+# The breakdown tables list this many rows; the rest are summed in one row.
+BREAKDOWN_ROWS = 25
+
+
+@dataclass(slots=True)
+class Breakdown:
+    """The range's requests, tokens and cost per model name and per API key (the ledger,
+    priced), the longest lists cut at BREAKDOWN_ROWS with the rest summed in `*_rest`."""
+
+    by_model: list[UsageGroup]
+    by_key: list[UsageGroup]
+    model_rest: UsageGroup | None = None
+    key_rest: UsageGroup | None = None
+    rest_models: int = 0
+    rest_keys: int = 0
+
+
+def _cut(groups: list[UsageGroup], rows: int) -> tuple[list[UsageGroup], UsageGroup | None, int]:
+    if len(groups) <= rows:
+        return groups, None, 0
+    return groups[:rows], _summed(groups[rows:]), len(groups) - rows
+
+
+def usage_breakdown(series: Series, rows: int = BREAKDOWN_ROWS) -> Breakdown:
+    """Per model (with its base model) and per key over the range, from a detailed series."""
+    every = [g for bucket in series.groups or [] for g in bucket]
+    by_model, model_rest, rest_models = _cut(regroup(every, ("model", "base_model")), rows)
+    by_key, key_rest, rest_keys = _cut(regroup(every, ("key",)), rows)
+    return Breakdown(by_model, by_key, model_rest, key_rest, rest_models, rest_keys)
+
+
+async def key_activity(
+    session: AsyncSession, win: Window, org_id: str, key_ids: Sequence[str]
+) -> dict[str, UsageGroup]:
+    """Requests, tokens and spend of each of an organisation's keys over `win`, in one query
+    for all of them (keys without usage are absent)."""
+    if not key_ids:
+        return {}
+    groups = await usage_by(
+        session, win.start, win.end, UsageFilter(org_id=org_id), ("key",), key_ids=key_ids
+    )
+    return {g.key_id: g for g in groups if g.key_id is not None}
+
+
+# The usage page's key filter lists at most this many of an organisation's keys (oldest
+# first), plus those of its breakdown and the chosen one: a select of 10,000 keys is of no use.
+KEY_CHOICES = 200
+
+
+async def key_choices(session: AsyncSession, org_id: str, also: Sequence[str]) -> list[ApiKey]:
+    """An organisation's keys to filter usage by: its first KEY_CHOICES and those of `also`
+    (the ones in the breakdown, the one chosen), by name."""
+    service = ApiKeyService(session=session)
+    found = {
+        k.id: k
+        for k in await service.get_many(
+            CollectionFilter("org_id", [org_id]), OrderBy("created_at", "asc"), LimitOffset(KEY_CHOICES, 0)
+        )
+    }
+    missing = [k for k in dict.fromkeys(also) if k not in found]
+    if missing:
+        found |= {
+            k.id: k
+            for k in await service.get_many(
+                CollectionFilter("id", missing), CollectionFilter("org_id", [org_id])
+            )
+        }
+    return sorted(found.values(), key=lambda k: ((k.name or "").lower(), k.prefix))
+
+
+async def key_labels(
+    session: AsyncSession, known: Sequence[ApiKey], groups: Sequence[UsageGroup]
+) -> dict[str, ApiKey]:
+    """The API keys a breakdown names, by id: those already at hand (`known`), the rest read
+    at once (a platform admin's breakdown spans organisations)."""
+    labels = {k.id: k for k in known}
+    missing = [g.key_id for g in groups if g.key_id and g.key_id not in labels]
+    if missing:
+        found = await ApiKeyService(session=session).get_many(CollectionFilter("id", missing))
+        labels |= {k.id: k for k in found}
+    return labels

@@ -23,8 +23,10 @@ NAV = (
     ("deployments", "/deployments", "Deployments"),
     ("batches", "/batches", "Batches"),
     ("usage", "/usage", "Usage"),
+    ("limits", "/limits", "Limits"),
     ("invoices", "/invoices", "Invoices"),
     ("prices", "/prices", "Prices & plans"),
+    ("audit", "/audit", "Audit log"),
 )
 
 
@@ -47,24 +49,26 @@ def flash(request: Request[Any, Any, Any], kind: str, text: str) -> None:
     request.session.setdefault("flash", []).append([kind, text])
 
 
+def layout(request: Request[Any, Any, Any], title: str, current: str = "") -> dict[str, Any]:
+    """What base.html needs: the navigation and who is signed in, when known (an error page
+    met before the sign-in was checked has neither, and says so with a sign-in link)."""
+    user = request.state.get("user")
+    admin: Principal | None = request.state.get("admin")
+    if admin is None and user is not None:
+        # Signed in, but turned away before the page (a suspended organisation's admin):
+        # the navigation still leads to what is open to them.
+        admin = Principal(role=user.role, org_id=user.org_id, user_id=user.id)
+    context: dict[str, Any] = {"base": PREFIX, "title": title, "admin": admin, "user": user}
+    if admin is not None:
+        context |= {"role_label": admin.role.replace("_", " "), "nav": nav_of(admin, current)}
+    return context
+
+
 def page(
     request: Request[Any, Any, Any], template: str, *, title: str, current: str, **context: Any
 ) -> Template:
-    admin = admin_of(request)
     messages = request.session.pop("flash", [])
-    return Template(
-        template,
-        context={
-            "base": PREFIX,
-            "title": title,
-            "admin": admin,
-            "user": request.state.user,
-            "role_label": admin.role.replace("_", " "),
-            "nav": nav_of(admin, current),
-            "flashes": messages,
-            **context,
-        },
-    )
+    return Template(template, context=layout(request, title, current) | {"flashes": messages, **context})
 
 
 def back(path: str) -> Redirect:

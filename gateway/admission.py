@@ -31,8 +31,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from billing.common import month_bounds
 from billing.prices.services import Rates, model_rates
 from billing.rollups.services import spend_since
+from control_plane.plans.limits import Rate
 from gateway.catalog import Target
-from gateway.keys import Caller, Rate
+from gateway.keys import Caller
 from gateway.metrics import Series
 from tokenmill.errors import APIError
 from tokenmill.limits import Admission, Hold, Limit, RateLimiter, Slot

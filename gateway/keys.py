@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from control_plane.orgs.keys import check_key, find_key, find_key_by_id
 from control_plane.orgs.models import ApiKey, Organization
+from control_plane.plans.limits import Rate, key_limits, org_limits
 from control_plane.plans.models import Plan
 from control_plane.policy import check_serving
 from gateway.metrics import GatewayMetrics
@@ -42,14 +43,6 @@ from tokenmill.settings import Settings
 from tokenmill.tasks import Background, tail
 
 log = logging.getLogger("tokenmill.gateway.keys")
-
-
-@dataclass(slots=True, frozen=True)
-class Rate:
-    """`per_minute` units a minute, at most `burst` at once (GCRA capacity)."""
-
-    per_minute: int
-    burst: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,33 +75,17 @@ class Caller:
         return self.scopes is None or model in self.scopes
 
 
-def _rate(per_minute: int | None, burst: int | None, default: int | None = None) -> Rate | None:
-    per_minute = per_minute if per_minute is not None else default
-    if not per_minute:
-        return None
-    return Rate(per_minute, burst or per_minute)
-
-
 def quota(key: ApiKey, plan: Plan | None, settings: Settings) -> Quota:
-    if plan is None:  # organisations without a plan get the platform's default tier
-        org_requests = _rate(settings.default_requests_per_minute, None)
-        org_tokens = _rate(settings.default_tokens_per_minute, None)
-        org_concurrent = settings.default_max_concurrent or None
-        budget, hard = None, False
-    else:
-        org_requests = _rate(plan.requests_per_minute, plan.request_burst)
-        org_tokens = _rate(plan.tokens_per_minute, plan.token_burst)
-        org_concurrent = plan.max_concurrent
-        budget, hard = plan.monthly_budget, plan.budget_mode == "hard"
+    org, own = org_limits(plan, settings), key_limits(key)  # the rule: control_plane/plans/limits.py
     return Quota(
-        key_requests=_rate(key.requests_per_minute, key.request_burst),
-        key_tokens=_rate(key.tokens_per_minute, key.token_burst),
-        key_concurrent=key.max_concurrent,
-        org_requests=org_requests,
-        org_tokens=org_tokens,
-        org_concurrent=org_concurrent,
-        budget=budget,
-        hard_budget=hard,
+        key_requests=own.requests,
+        key_tokens=own.tokens,
+        key_concurrent=own.concurrent,
+        org_requests=org.requests,
+        org_tokens=org.tokens,
+        org_concurrent=org.concurrent,
+        budget=org.budget,
+        hard_budget=org.hard_budget,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,10 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from billing.common import as_utc, cents, iso, plain, time_range
 from billing.invoices.services import invoice_number
 from billing.models import Invoice, InvoiceLine, Refusal, UsageEvent, UsageRollup
+from billing.prices.services import PriceHistory, token_cost
 from billing.rollups.services import KEY_COLUMNS
+from control_plane.catalog.models import Deployment
 from tokenmill.errors import APIError
 
 EXPORTS = ("usage", "refusals", "rollups", "invoices")
+CellsFactory = Callable[[AsyncSession], Awaitable[Callable[[Sequence[Any]], tuple[Any, ...]]]]
 FORMATS = ("csv", "json")
 CHUNK_BYTES = 64 * 1024
 FETCH_ROWS = 1000  # rows per round trip of the server-side cursor
@@ -48,6 +51,11 @@ USAGE_COLUMNS = (
     "client_request_id",
     "service_tier",
     "batch_id",
+    # What the request's tokens cost (exact, unrounded) at the price version in effect when it
+    # ran, as the rollups price them; 0 and no currency when not charged (no price, or a
+    # dedicated deployment, paid by the GPU-hour).
+    "cost",
+    "currency",
 )
 # Requests refused before any worker ran them (which the ledger does not hold), per
 # organisation, key, reason (gateway/metrics.py's REASONS) and UTC minute.
@@ -132,9 +140,17 @@ def export_query(
     return ExportQuery(what, fmt, lo, hi, org_id)
 
 
+# The ledger's own columns of the usage export; cost and currency are priced from them.
+LEDGER_COLUMNS = USAGE_COLUMNS[: USAGE_COLUMNS.index("cost")]
+
+
 def _usage_stmt(q: ExportQuery) -> Any:
-    stmt = select(*(getattr(UsageEvent, c) for c in USAGE_COLUMNS)).where(
-        UsageEvent.created_at >= q.start, UsageEvent.created_at < q.end
+    """The ledger's rows, each with its deployment's base model and type (which price
+    version its tokens are charged at, if any)."""
+    stmt = (
+        select(*(getattr(UsageEvent, c) for c in LEDGER_COLUMNS), Deployment.model_id, Deployment.type)
+        .outerjoin(Deployment, Deployment.id == UsageEvent.deployment_id)
+        .where(UsageEvent.created_at >= q.start, UsageEvent.created_at < q.end)
     )
     if q.org_id is not None:
         stmt = stmt.where(UsageEvent.org_id == q.org_id)
@@ -145,8 +161,34 @@ def _usage_stmt(q: ExportQuery) -> Any:
     return stmt.order_by(UsageEvent.created_at, UsageEvent.id)
 
 
-def _usage_cells(row: Sequence[Any]) -> tuple[Any, ...]:
-    return (row[0], iso(row[1]), *row[2:])
+async def _usage_cells(session: AsyncSession) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    prices = await PriceHistory.load(session)
+    created, batch_id = LEDGER_COLUMNS.index("created_at"), LEDGER_COLUMNS.index("batch_id")
+    tokens = [LEDGER_COLUMNS.index(f"{c}_tokens") for c in ("prompt", "cached", "completion")]
+
+    def cells(row: Sequence[Any]) -> tuple[Any, ...]:
+        ledger, (model_id, dep_type) = row[: len(LEDGER_COLUMNS)], row[len(LEDGER_COLUMNS) :]
+        price = prices.at(model_id, dep_type, ledger[created])
+        prompt, cached, completion = (int(ledger[i] or 0) for i in tokens)
+        cost = token_cost(price, prompt, cached, completion, batch=ledger[batch_id] is not None)
+        return (
+            ledger[0],
+            iso(ledger[1]),
+            *ledger[2:],
+            plain(cost),
+            price.currency if price is not None else None,
+        )
+
+    return cells
+
+
+def _static(cells: Callable[[Sequence[Any]], tuple[Any, ...]]) -> CellsFactory:
+    """The cells of an export that needs nothing but its row."""
+
+    async def factory(session: AsyncSession) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+        return cells
+
+    return factory
 
 
 def _refusals_stmt(q: ExportQuery) -> Any:
@@ -243,18 +285,25 @@ def _invoice_cells(row: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-EXPORT_SHAPES = {
+# Per export: its statement, what turns a row into the file's cells (made once per export:
+# the usage export loads the price history first), its columns.
+EXPORT_SHAPES: dict[str, tuple[Callable[[ExportQuery], Any], CellsFactory, tuple[str, ...]]] = {
     "usage": (_usage_stmt, _usage_cells, USAGE_COLUMNS),
-    "refusals": (_refusals_stmt, _refusal_cells, REFUSAL_COLUMNS),
-    "rollups": (_rollups_stmt, _rollup_cells, ROLLUP_COLUMNS),
-    "invoices": (_invoices_stmt, _invoice_cells, INVOICE_COLUMNS + tuple(f"line_{c}" for c in LINE_COLUMNS)),
+    "refusals": (_refusals_stmt, _static(_refusal_cells), REFUSAL_COLUMNS),
+    "rollups": (_rollups_stmt, _static(_rollup_cells), ROLLUP_COLUMNS),
+    "invoices": (
+        _invoices_stmt,
+        _static(_invoice_cells),
+        INVOICE_COLUMNS + tuple(f"line_{c}" for c in LINE_COLUMNS),
+    ),
 }
 
 
 async def _cells(session: AsyncSession, q: ExportQuery) -> AsyncIterator[tuple[Any, ...]]:
     """The export's rows from a server-side cursor (PostgreSQL) or a stepped SQLite cursor:
     never more than FETCH_ROWS of them in memory."""
-    make_stmt, to_cells, _ = EXPORT_SHAPES[q.what]
+    make_stmt, make_cells, _ = EXPORT_SHAPES[q.what]
+    to_cells = await make_cells(session)
     result = await session.stream(make_stmt(q).execution_options(yield_per=FETCH_ROWS))
     async for part in result.partitions():
         for row in part:

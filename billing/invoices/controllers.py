@@ -22,6 +22,7 @@ from billing.invoices.services import finalize_invoice_as, get_invoice, invoice_
 from billing.jobs import build_invoices
 from billing.models import Invoice, InvoiceLine
 from control_plane.orgs.services import OrganizationService
+from control_plane.paging import link_header, page_of
 from control_plane.policy import WHILE_SUSPENDED, Principal, require_platform_admin
 
 
@@ -71,20 +72,34 @@ class InvoiceController(Controller):
     @get(opt=WHILE_SUSPENDED)  # a suspended organisation's admins read what they owe
     async def list_invoices(
         self,
+        request: Request[Any, Any, Any],
         admin: NamedDependency[Principal],
         db_session: NamedDependency[AsyncSession],
         org: Annotated[str | None, QueryParameter(description="Organisation id or name.")] = None,
         month: Annotated[str | None, QueryParameter(description="YYYY-MM")] = None,
         status: Annotated[str | None, QueryParameter(description="draft or finalized")] = None,
+        q: Annotated[
+            str | None, QueryParameter(description="Search: number, id or organisation.", max_length=200)
+        ] = None,
         limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
+        after: Annotated[str | None, QueryParameter(description="Id of the previous page's last.")] = None,
+        before: Annotated[str | None, QueryParameter(description="Id of the next page's first.")] = None,
         offset: Annotated[int, QueryParameter(ge=0)] = 0,
-    ) -> list[InvoiceOut]:
-        """Newest period first, without their lines; organisation admins see their own."""
+    ) -> Response[list[InvoiceOut]]:
+        """Newest period first, without their lines; organisation admins see their own. The
+        `Link` header names the next page (`after`) while there is one."""
         org_id = await OrganizationService(session=db_session).scope(org, admin)
         found = await list_invoices(
-            db_session, org_id=org_id, month=month, status=status, limit=limit, offset=offset
+            db_session,
+            org_id=org_id,
+            month=month,
+            status=status,
+            page=page_of(q, limit, after, before),
+            offset=offset,
         )
-        return [_invoice_out(i, lines=False) for i in found]
+        return Response(
+            [_invoice_out(i, lines=False) for i in found.rows], headers=link_header(str(request.url), found)
+        )
 
     @post("/generate", status_code=200)
     async def generate_invoices(

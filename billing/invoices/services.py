@@ -9,19 +9,23 @@ priced and rounded half-even to the cent once (the money rules of DESIGN.md).
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
+from sqlalchemy.sql.elements import ColumnElement
 
 from billing.common import PER, as_utc, cents, dialect, dialect_insert, month_bounds, price_text
 from billing.models import METERS, Invoice, InvoiceLine, Price, UsageRollup
 from control_plane.audit.services import record_change, snapshot
 from control_plane.catalog.models import Adapter, Deployment
+from control_plane.orgs.models import Organization
+from control_plane.paging import Page, PageQuery, contains, keyset_page
 from control_plane.policy import Principal, require_platform_admin
 from tokenmill.db import new_id, utcnow
 from tokenmill.errors import APIError
@@ -354,16 +358,34 @@ async def get_invoice(session: AsyncSession, invoice_id: str, *, org_id: str | N
     return invoice
 
 
+_NUMBER = re.compile(r"^(?:tm-?)?0*(\d{1,9})$", re.IGNORECASE)
+
+
+def _invoice_search(text: str) -> ColumnElement[bool]:
+    """An invoice's id, number (`TM-000012`, `12`) or organisation (id or name) holds `text`."""
+    orgs = select(Organization.id).where(contains(Organization.name, text))
+    found = [
+        contains(Invoice.id, text, lowercase=True),
+        contains(Invoice.org_id, text, lowercase=True),
+        Invoice.org_id.in_(orgs),
+    ]
+    if (number := _NUMBER.match(text)) is not None:
+        found.append(Invoice.number == int(number.group(1)))
+    return or_(*found)
+
+
 async def list_invoices(
     session: AsyncSession,
     *,
     org_id: str | None = None,
     month: str | None = None,
     status: str | None = None,
-    limit: int = 100,
+    page: PageQuery | None = None,
     offset: int = 0,
-) -> list[Invoice]:
-    """Newest period first, without lines."""
+) -> Page[Invoice]:
+    """Newest period first (then by organisation and currency), without lines; `page` pages
+    and searches them (the admin API's old `offset` still skips rows of its first page)."""
+    page = page if page is not None else PageQuery(limit=100)
     stmt = select(Invoice)
     if org_id is not None:
         stmt = stmt.where(Invoice.org_id == org_id)
@@ -373,5 +395,20 @@ async def list_invoices(
         if status not in ("draft", "finalized"):
             raise APIError(400, "status must be draft or finalized.", param="status")
         stmt = stmt.where(Invoice.status == status)
-    stmt = stmt.order_by(Invoice.period_start.desc(), Invoice.org_id, Invoice.currency)
-    return list(await session.scalars(stmt.limit(limit).offset(offset)))
+    if offset:
+        if page.paged:
+            raise APIError(400, "Page with after/before or with offset, not both.", param="offset")
+        stmt = stmt.offset(offset)
+    return await keyset_page(
+        session,
+        stmt,
+        page,
+        # (organisation, period, currency) is unique, the id only breaks ties for the cursor.
+        by=[
+            (Invoice.period_start, True),
+            (Invoice.org_id, False),
+            (Invoice.currency, False),
+            (Invoice.id, False),
+        ],
+        search=_invoice_search,
+    )

@@ -7,6 +7,8 @@ after a moment is the price at that moment, so usage keeps the price it was used
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
@@ -113,6 +115,91 @@ def meter_price(price: Price | None, meter: str) -> Decimal:
         "output": price.output_per_mtok,
         "gpu_seconds": price.gpu_hour,
     }[meter]
+
+
+# --- the ledger's tokens, priced -----------------------------------------------------------------------
+
+ONLINE_METERS = ("input", "cached_input", "output")
+
+
+def token_quantities(
+    prompt: int, cached: int, completion: int, *, batch: bool
+) -> tuple[tuple[str, int], ...]:
+    """The meters tokens are billed on: input = prompt − cached (cached tokens are billed on
+    their own meter), output; a batch request's on the batch meters."""
+    meters = BATCH_METERS if batch else ONLINE_METERS
+    return tuple(zip(meters, (prompt - cached, cached, completion), strict=True))
+
+
+def token_units(price: Price | None, *, batch: bool) -> tuple[Decimal, Decimal, Decimal]:
+    """A price version's unit prices (per 1M tokens) of the input, cached input and output
+    meters, or of the batch meters (discounted); nothing without a version."""
+    if price is None:
+        return Decimal(0), Decimal(0), Decimal(0)
+    meters = BATCH_METERS if batch else ONLINE_METERS
+    return meter_price(price, meters[0]), meter_price(price, meters[1]), meter_price(price, meters[2])
+
+
+def units_cost(units: tuple[Decimal, Decimal, Decimal], prompt: int, cached: int, completion: int) -> Decimal:
+    """Tokens at unit prices (`token_units`), exactly (unrounded): prompt − cached at the
+    input price, cached at the cached-input price, output at the output price; what a rollup
+    row's amount is before its rounding to 10^-9."""
+    return ((prompt - cached) * units[0] + cached * units[1] + completion * units[2]) / MILLION
+
+
+def token_cost(price: Price | None, prompt: int, cached: int, completion: int, *, batch: bool) -> Decimal:
+    """What tokens cost at a price version, exactly (unrounded). No price version: nothing."""
+    return units_cost(token_units(price, batch=batch), prompt, cached, completion)
+
+
+def charged_model(model_id: str | None, deployment_type: str | None) -> str | None:
+    """The model whose price a request's tokens are charged at: its deployment's base model.
+    None (free) for a dedicated deployment, paid by the GPU-hour (its tokens are metered,
+    not charged), or a request no deployment ran."""
+    return model_id if model_id is not None and deployment_type != "dedicated" else None
+
+
+async def charged_price(
+    session: AsyncSession,
+    prices: dict[tuple[str, datetime], Price | None],
+    model_id: str | None,
+    deployment_type: str | None,
+    moment: datetime,
+) -> Price | None:
+    """The version tokens of a stretch between price changes are charged at (`moment`: the
+    stretch's start), looked up once per model and stretch (`prices` remembers)."""
+    charged = charged_model(model_id, deployment_type)
+    if charged is None:
+        return None
+    if (charged, moment) not in prices:
+        prices[charged, moment] = await price_at(session, model_id=charged, at=moment)
+    return prices[charged, moment]
+
+
+class PriceHistory:
+    """Every version of the models' prices, to price ledger rows one at a time (the usage
+    export) as the rollups and `usage_by_bucket` price them in groups: at the version in
+    effect when used."""
+
+    def __init__(self, versions: Sequence[Price]) -> None:
+        self._versions: dict[str, tuple[list[datetime], list[Price]]] = {}
+        for price in sorted(versions, key=lambda p: as_utc(p.effective_from)):
+            starts, found = self._versions.setdefault(price.model_id or "", ([], []))
+            starts.append(as_utc(price.effective_from))
+            found.append(price)
+
+    @classmethod
+    async def load(cls, session: AsyncSession) -> PriceHistory:
+        return cls(list(await session.scalars(select(Price).where(Price.model_id.is_not(None)))))
+
+    def at(self, model_id: str | None, deployment_type: str | None, at: datetime) -> Price | None:
+        """The version a request's tokens are charged at (None: not charged)."""
+        charged = charged_model(model_id, deployment_type)
+        if charged is None or charged not in self._versions:
+            return None
+        starts, found = self._versions[charged]
+        i = bisect_right(starts, as_utc(at))
+        return found[i - 1] if i else None
 
 
 def _check_price(value: Decimal, param: str) -> Decimal:

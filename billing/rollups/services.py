@@ -5,6 +5,13 @@ discount), GPU-seconds of dedicated deployments from the workers' lifetimes; eac
 at the price version in effect when it was used (dedicated deployments by GPU-hour only,
 their tokens metered but free). Recomputing a range changes nothing the second time.
 Invoices are built from these rows, and so is the dashboard's spend.
+
+The ledger's tokens are priced one way (billing/prices/services.py): at the version in
+effect when they were used (`charged_price`; free on dedicated deployments), each meter at
+its unit price (`meter_price`, batch meters at the batch discount). Grouped by hour here;
+per time bucket, model name and API key in `billing.rollups.usage` (the usage breakdown and
+the spend of a key or model, which the rollups cannot give: they are per organisation and
+base model); row by row for the usage export (`PriceHistory`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,17 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from itertools import pairwise
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, bindparam, cast, delete, extract, func, literal_column, select
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    bindparam,
+    cast,
+    delete,
+    extract,
+    func,
+    literal_column,
+    select,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -34,8 +51,8 @@ from billing.common import (
     floor_hour,
     per_bucket,
 )
-from billing.models import BATCH_METERS, Price, UsageEvent, UsageRollup
-from billing.prices.services import meter_price, price_at
+from billing.models import Price, UsageEvent, UsageRollup
+from billing.prices.services import charged_price, meter_price, price_at, token_quantities
 from control_plane.catalog.models import Deployment, Model, Worker
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
@@ -77,7 +94,7 @@ def _add(rows: dict[RollupKey, RollupRow], key: RollupKey, quantity: Decimal, pr
         row.quantity += quantity
 
 
-async def _price_changes(
+async def price_changes(
     session: AsyncSession, subject: ColumnElement[bool], start: datetime, end: datetime
 ) -> list[datetime]:
     """Moments inside (start, end) at which some price version starts: between two of them
@@ -121,7 +138,7 @@ async def _token_usage(
         batch,
     )
     prices: dict[tuple[str, datetime], Price | None] = {}
-    edges = [start, *await _price_changes(session, Price.model_id.is_not(None), start, end), end]
+    edges = [start, *await price_changes(session, Price.model_id.is_not(None), start, end), end]
     for lo, hi in pairwise(edges):
         stmt = (
             select(
@@ -140,16 +157,10 @@ async def _token_usage(
             stmt = stmt.where(UsageEvent.org_id == org_id)
         for row in await session.execute(stmt):
             org, h, dep_id, model_id, dep_type, model, adapter, in_batch, prompt, cached, output = row
-            price = None
-            # Dedicated deployments are paid by the GPU-hour: their tokens are metered, free.
-            if model_id is not None and dep_type != "dedicated":
-                if (model_id, lo) not in prices:
-                    prices[model_id, lo] = await price_at(session, model_id=model_id, at=lo)
-                price = prices[model_id, lo]
+            price = await charged_price(session, prices, model_id, dep_type, lo)
             at = EPOCH + int(h) * HOUR
             prompt, cached, output = int(prompt or 0), int(cached or 0), int(output or 0)
-            meters = BATCH_METERS if in_batch else ("input", "cached_input", "output")
-            for meter, quantity in zip(meters, (prompt - cached, cached, output), strict=True):
+            for meter, quantity in token_quantities(prompt, cached, output, batch=bool(in_batch)):
                 if quantity:
                     key = (org, at, dep_id or "", model, adapter or "", meter, price.id if price else "")
                     _add(rows, key, Decimal(quantity), price)
@@ -198,7 +209,7 @@ async def _gpu_usage(
     lifetimes = (await session.execute(stmt)).all()
     if not lifetimes:
         return
-    changes = await _price_changes(session, Price.gpu_type.is_not(None), start, end)
+    changes = await price_changes(session, Price.gpu_type.is_not(None), start, end)
     prices: dict[tuple[str, datetime], Price | None] = {}
     for started, stopped, seen, worker_gpu, gpus, dep_id, org, dep_gpu, model in lifetimes:
         lo = max(as_utc(started), start)
@@ -335,9 +346,14 @@ async def spend_per_bucket(
     per_currency: dict[str, Decimal] = {}
     for _, currency, amount in rows:
         per_currency[currency] = per_currency.get(currency, Decimal(0)) + amount
-    currency = max(per_currency, key=lambda c: per_currency[c]) if per_currency else "usd"
+    currency = main_currency(per_currency)
     spend = [Decimal(0) for _ in starts]
     for i, cur, amount in rows:
         if cur == currency:
             spend[i] += amount
     return currency, spend
+
+
+def main_currency(amounts: dict[str, Decimal]) -> str:
+    """The currency with most of the spend (one chart has one unit); "usd" when none."""
+    return max(amounts, key=lambda c: amounts[c]) if amounts else "usd"

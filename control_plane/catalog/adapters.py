@@ -26,6 +26,7 @@ from control_plane.catalog.models import Adapter, Deployment, Model
 from control_plane.catalog.services import deployment_adapters, model_ref
 from control_plane.common import flush_unique, not_found
 from control_plane.events import FilesOrphaned, outbox
+from control_plane.paging import Page, PageQuery, contains, keyset_page
 from control_plane.policy import Principal
 from tokenmill.db import new_id
 from tokenmill.errors import APIError
@@ -74,6 +75,17 @@ class AdapterService(SQLAlchemyAsyncRepositoryService[Adapter]):
 
     async def list_for_org(self, org_id: str) -> list[Adapter]:
         return list(await self.get_many(Adapter.org_id == org_id, order_by=[(Adapter.name, False)]))
+
+    async def page_for_org(self, org_id: str, query: PageQuery) -> Page[Adapter]:
+        """A page of the organisation's adapters by name, searched by name. `org_id` is one
+        the caller may see."""
+        return await keyset_page(
+            self.repository.session,
+            select(Adapter).where(Adapter.org_id == org_id),
+            query,
+            by=[(Adapter.name, False), (Adapter.id, False)],
+            search=lambda text: contains(Adapter.name, text),
+        )
 
     async def visible(self, adapter_id: str, actor: Principal) -> Adapter:
         adapter = await self.get_one_or_none(Adapter.id == adapter_id)

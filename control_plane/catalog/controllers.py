@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, Request, delete, get, patch, post
+from litestar import Controller, Request, Response, delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody, QueryParameter
 
@@ -26,6 +26,7 @@ from control_plane.catalog.schemas import (
 from control_plane.catalog.services import ModelService, deployment_adapters
 from control_plane.catalog.uploads import read_adapter_upload
 from control_plane.orgs.services import OrganizationService
+from control_plane.paging import LIST_PAGE, PageQuery, link_header
 from control_plane.policy import Principal
 from control_plane.wire import out
 
@@ -96,17 +97,21 @@ class DeploymentController(Controller):
     path = "/deployments"
     tags = ["Admin: deployments"]
 
-    @get()
+    @get(dependencies=LIST_PAGE)
     async def list_deployments(
         self,
+        request: Request[Any, Any, Any],
         admin: NamedDependency[Principal],
         deployments: NamedDependency[DeploymentService],
+        page: NamedDependency[PageQuery],
         org_id: Annotated[
             str | None, QueryParameter(description="Only this organisation's dedicated ones.")
         ] = None,
-    ) -> list[DeploymentOut]:
-        """The serverless deployments and the dedicated ones the caller may see."""
-        return [deployment_out(d) for d in await deployments.list_visible(admin, org_id)]
+    ) -> Response[list[DeploymentOut]]:
+        """The serverless deployments and the dedicated ones the caller may see, by name; `q`
+        searches names and base model names. With `limit`, one page (`Link` names the next)."""
+        found = await deployments.page_visible(admin, page, org_id)
+        return Response([deployment_out(d) for d in found.rows], headers=link_header(str(request.url), found))
 
     @post()
     async def create_deployment(
@@ -156,16 +161,22 @@ class AdapterController(Controller):
     path = "/"
     tags = ["Admin: adapters"]
 
-    @get("/organizations/{org_id:str}/adapters")
+    @get("/organizations/{org_id:str}/adapters", dependencies=LIST_PAGE)
     async def list_adapters(
         self,
+        request: Request[Any, Any, Any],
         org_id: FromPath[str],
         admin: NamedDependency[Principal],
         orgs: NamedDependency[OrganizationService],
         adapters: NamedDependency[AdapterService],
-    ) -> list[AdapterOut]:
+        page: NamedDependency[PageQuery],
+    ) -> Response[list[AdapterOut]]:
+        """By name; `q` searches names. With `limit`, one page (`Link` names the next)."""
         org = await orgs.visible(org_id, admin)
-        return [out(a, AdapterOut) for a in await adapters.list_for_org(org.id)]
+        found = await adapters.page_for_org(org.id, page)
+        return Response(
+            [out(a, AdapterOut) for a in found.rows], headers=link_header(str(request.url), found)
+        )
 
     # No body limit of Litestar's: `read_adapter_upload` sets one from the base model.
     @post("/organizations/{org_id:str}/adapters", request_max_body_size=None)

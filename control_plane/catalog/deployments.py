@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from advanced_alchemy.repository import SQLAlchemyAsyncRepository
 from advanced_alchemy.service import SQLAlchemyAsyncRepositoryService
-from sqlalchemy import or_, select
+from sqlalchemy import Select, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
 
 from control_plane.audit.services import delete_recorded, record_change, snapshot
 from control_plane.catalog.config import CatalogConfig
@@ -26,6 +27,7 @@ from control_plane.catalog.services import model_ref
 from control_plane.common import changes as changes_of
 from control_plane.common import flush_unique, not_found
 from control_plane.orgs.models import Organization
+from control_plane.paging import Page, PageQuery, contains, keyset_page
 from control_plane.plans.models import Plan
 from control_plane.policy import (
     Principal,
@@ -124,16 +126,40 @@ class DeploymentService(SQLAlchemyAsyncRepositoryService[Deployment]):
         super().__init__(session=session, **kwargs)
         self.config = config
 
-    async def list_visible(self, actor: Principal, org_id: str | None = None) -> list[Deployment]:
-        """Serverless deployments and the dedicated ones `actor` may see (of `org_id` only,
-        when given)."""
-        query = select(Deployment).order_by(Deployment.name)
+    def _visible_stmt(self, actor: Principal, org_id: str | None) -> Select[tuple[Deployment]]:
+        query = select(Deployment)
         if org_id is not None:
             require_visible_org(actor, org_id)
             query = query.where(Deployment.org_id == org_id)
         elif (scope := org_scope(actor)) is not None:
             query = query.where(or_(Deployment.org_id.is_(None), Deployment.org_id == scope))
+        return query
+
+    async def list_visible(self, actor: Principal, org_id: str | None = None) -> list[Deployment]:
+        """Serverless deployments and the dedicated ones `actor` may see (of `org_id` only,
+        when given)."""
+        query = self._visible_stmt(actor, org_id).order_by(Deployment.name)
         return list(await self.repository.session.scalars(query))
+
+    async def page_visible(
+        self, actor: Principal, query: PageQuery, org_id: str | None = None
+    ) -> Page[Deployment]:
+        """A page of `list_visible` by name, searched by name and base model name."""
+        models = select(Model.id)
+
+        def search(text: str) -> ColumnElement[bool]:
+            return or_(
+                contains(Deployment.name, text),
+                Deployment.model_id.in_(models.where(contains(Model.name, text))),
+            )
+
+        return await keyset_page(
+            self.repository.session,
+            self._visible_stmt(actor, org_id),
+            query,
+            by=[(Deployment.name, False), (Deployment.id, False)],
+            search=search,
+        )
 
     async def visible(self, dep_id: str, actor: Principal) -> Deployment:
         dep = await self.get_one_or_none(Deployment.id == dep_id)

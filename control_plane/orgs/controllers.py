@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
-from litestar import Controller, delete, get, patch, post
+from litestar import Controller, Request, Response, delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
@@ -21,6 +23,7 @@ from control_plane.orgs.schemas import (
     UserUpdate,
 )
 from control_plane.orgs.services import OrganizationService, UserService
+from control_plane.paging import LIST_PAGE, PageQuery, link_header
 from control_plane.policy import Principal
 from control_plane.wire import out
 from tokenmill.settings import Settings
@@ -34,11 +37,19 @@ class OrganizationController(Controller):
     path = "/organizations"
     tags = ["Admin: organisations"]
 
-    @get()
+    @get(dependencies=LIST_PAGE)
     async def list_organizations(
-        self, admin: NamedDependency[Principal], orgs: NamedDependency[OrganizationService]
-    ) -> list[OrganizationOut]:
-        return [out(o, OrganizationOut) for o in await orgs.list_visible(admin)]
+        self,
+        request: Request[Any, Any, Any],
+        admin: NamedDependency[Principal],
+        orgs: NamedDependency[OrganizationService],
+        page: NamedDependency[PageQuery],
+    ) -> Response[list[OrganizationOut]]:
+        """Oldest first; `q` searches names. With `limit`, one page (`Link` names the next)."""
+        found = await orgs.page_visible(admin, page)
+        return Response(
+            [out(o, OrganizationOut) for o in found.rows], headers=link_header(str(request.url), found)
+        )
 
     @post()
     async def create_organization(
@@ -149,16 +160,21 @@ class ApiKeyController(Controller):
     path = "/"
     tags = ["Admin: API keys"]
 
-    @get("/organizations/{org_id:str}/keys")
+    @get("/organizations/{org_id:str}/keys", dependencies=LIST_PAGE)
     async def list_keys(
         self,
+        request: Request[Any, Any, Any],
         org_id: FromPath[str],
         admin: NamedDependency[Principal],
         orgs: NamedDependency[OrganizationService],
         keys: NamedDependency[ApiKeyService],
-    ) -> list[ApiKeyOut]:
+        page: NamedDependency[PageQuery],
+    ) -> Response[list[ApiKeyOut]]:
+        """Oldest first (`order=desc`: newest first); `q` searches names and prefixes. With
+        `limit`, one page (`Link` names the next)."""
         org = await orgs.visible(org_id, admin)
-        return [out(k, ApiKeyOut) for k in await keys.list_for_org(org.id)]
+        found = await keys.page_for_org(org.id, page)
+        return Response([out(k, ApiKeyOut) for k in found.rows], headers=link_header(str(request.url), found))
 
     @post("/organizations/{org_id:str}/keys")
     async def create_key(

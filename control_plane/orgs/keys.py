@@ -23,6 +23,7 @@ from control_plane.common import LIMITS, check_limits, not_found
 from control_plane.common import changes as changes_of
 from control_plane.events import outbox
 from control_plane.orgs.models import ApiKey, Organization, User
+from control_plane.paging import Page, PageQuery, any_contains, keyset_page
 from control_plane.plans.models import Plan
 from control_plane.policy import SYSTEM, Principal, may_grant, may_manage
 from tokenmill import security
@@ -110,6 +111,17 @@ class ApiKeyService(SQLAlchemyAsyncRepositoryService[ApiKey]):
 
     async def list_for_org(self, org_id: str) -> list[ApiKey]:
         return list(await self.get_many(ApiKey.org_id == org_id, order_by=[(ApiKey.created_at, False)]))
+
+    async def page_for_org(self, org_id: str, query: PageQuery) -> Page[ApiKey]:
+        """A page of the organisation's keys, oldest first (`order="desc"`: newest first),
+        searched by name and prefix. `org_id` is one the caller may see."""
+        return await keyset_page(
+            self.repository.session,
+            select(ApiKey).where(ApiKey.org_id == org_id),
+            query,
+            by=[(ApiKey.created_at, False), (ApiKey.id, False)],
+            search=lambda text: any_contains(text, ApiKey.name, ApiKey.prefix),
+        )
 
     async def visible(self, ref: str, actor: Principal) -> ApiKey:
         """By id or prefix, if `actor` may see it."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from advanced_alchemy.repository import SQLAlchemyAsyncRepository
 from advanced_alchemy.service import SQLAlchemyAsyncRepositoryService
-from sqlalchemy import or_
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from control_plane.audit.services import record_change, snapshot
@@ -30,6 +30,7 @@ from control_plane.orgs.keys import ApiKeyService
 from control_plane.orgs.models import ApiKey, Organization, User
 from control_plane.orgs.schemas import UserUpdate
 from control_plane.orgs.sessions import DashboardSessionService
+from control_plane.paging import Page, PageQuery, contains, keyset_page
 from control_plane.plans.models import Plan
 from control_plane.policy import (
     ACTIVE,
@@ -103,6 +104,22 @@ class OrganizationService(SQLAlchemyAsyncRepositoryService[Organization]):
         if scope is None:
             return await self.get_many(order_by=[(Organization.created_at, False)])
         return await self.get_many(Organization.id == scope)
+
+    async def page_visible(self, actor: Principal, query: PageQuery) -> Page[Organization]:
+        """A page of the organisations `actor` may see, oldest first, searched by name (or
+        id)."""
+        stmt = select(Organization)
+        if (scope := org_scope(actor)) is not None:
+            stmt = stmt.where(Organization.id == scope)
+        return await keyset_page(
+            self.repository.session,
+            stmt,
+            query,
+            by=[(Organization.created_at, False), (Organization.id, False)],
+            search=lambda text: or_(
+                contains(Organization.name, text), contains(Organization.id, text, lowercase=True)
+            ),
+        )
 
     async def scope(self, ref: str | None, actor: Principal) -> str | None:
         """The organisation a read (usage, invoices, exports) is confined to: the one named

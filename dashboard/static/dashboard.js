@@ -29,30 +29,67 @@ document.addEventListener("click", (event) => {
   }
 });
 
-// Adapter upload with a progress bar: the same form post, sent by XHR so progress shows.
+// Adapter upload with a progress bar: the same form post, sent by XHR so progress shows. The
+// script asks for the outcome as JSON: a refusal is shown next to the form (the typed name and
+// chosen files stay); an accepted adapter leads to the page, with its message and the new row.
+function uploadOutcome(xhr) {
+  const type = xhr.getResponseHeader("content-type") || "";
+  if (type.startsWith("application/json")) {
+    try {
+      return JSON.parse(xhr.responseText);
+    } catch (_) {
+      return { error: `The upload failed (HTTP ${xhr.status}).` };
+    }
+  }
+  // Not the upload's own answer: an error page (its message), or a redirect XHR followed
+  // (signed out: the login page), which the browser should show itself.
+  if (xhr.status < 400) return { location: xhr.responseURL };
+  const page = new DOMParser().parseFromString(xhr.responseText, "text/html");
+  const message = page.getElementById("error-message");
+  return { error: message ? message.textContent : `The upload failed (HTTP ${xhr.status}).` };
+}
+
 for (const form of document.querySelectorAll("form[data-upload]")) {
   form.addEventListener("submit", (event) => {
     event.preventDefault();
     const box = form.querySelector(".progress");
     const bar = form.querySelector("progress");
-    const status = form.querySelector("[aria-live]");
+    const status = box.querySelector("[aria-live]");
+    const outcome = form.querySelector("[data-outcome]");
     const button = form.querySelector('button[type="submit"]');
+    const fail = (text) => {
+      box.hidden = true;
+      button.disabled = false;
+      outcome.textContent = text;
+      outcome.classList.add("error");
+    };
+    outcome.textContent = "";
+    outcome.classList.remove("error");
+    bar.value = 0;
+    status.textContent = "Uploading...";
     box.hidden = false;
     button.disabled = true;
     const xhr = new XMLHttpRequest();
     xhr.open("POST", form.action);
     xhr.setRequestHeader("x-csrftoken", csrfToken());
+    xhr.setRequestHeader("accept", "application/json");
     xhr.upload.addEventListener("progress", (e) => {
       if (!e.lengthComputable) return;
       const pct = Math.round((e.loaded / e.total) * 100);
       bar.value = pct;
       status.textContent = pct < 100 ? `Uploading: ${pct}%` : "Checking the adapter...";
     });
-    // The server answers with a redirect to the page (and its message), which XHR follows.
-    xhr.addEventListener("load", () => { window.location.assign(xhr.responseURL || form.action); });
+    xhr.addEventListener("load", () => {
+      const result = uploadOutcome(xhr);
+      if (result.error) {
+        fail(result.error);
+      } else {
+        status.textContent = result.message || "Uploaded.";
+        window.location.assign(result.location || window.location.href);
+      }
+    });
     xhr.addEventListener("error", () => {
-      status.textContent = "The upload failed; check the connection and try again.";
-      button.disabled = false;
+      fail("The upload failed: the connection broke (or the server refused the files part-way); check the files and try again.");
     });
     xhr.send(new FormData(form));
   });

@@ -102,6 +102,12 @@ async def test_csv_and_json_of_each_export(api: Api) -> None:
         (w.org_b, "2000000", ""),
     ]
     assert usage[0]["created_at"] == "2025-01-03T04:00:00Z"
+    # each request at the January price: (prompt - cached) x 0.15 + cached x 0.075 + output x 0.6 per 1M
+    assert [(u["cost"], u["currency"]) for u in usage] == [
+        ("0.435", "usd"),
+        ("0.0000021", "usd"),
+        ("0.36", "usd"),
+    ]
     # The request's context, as the gateway recorded it ("" in CSV where there was none).
     assert [(u["user"], u["client_request_id"], u["service_tier"]) for u in usage] == [
         ("", "", "default"),
@@ -173,15 +179,17 @@ async def test_exports_tell_batch_usage_apart(api: Api) -> None:
     span = {"from": "2025-01", "to": "2025-02"}
     r = await c.get("/admin/v1/exports/usage", headers=api.h("admin_a"), params=span)
     assert r.status_code == 200, r.text
-    assert r.text.splitlines()[0].split(",") == list(USAGE_COLUMNS) and USAGE_COLUMNS[-1] == "batch_id"
-    assert [(u["prompt_tokens"], u["batch_id"]) for u in _csv(r.text)] == [
-        ("1000000", ""),
-        ("600000", "batch_x1"),
+    assert r.text.splitlines()[0].split(",") == list(USAGE_COLUMNS)
+    assert USAGE_COLUMNS[-3:] == ("batch_id", "cost", "currency")  # new columns go at the end
+    # the batch line at half price: 600,000 x 0.075 + 100,000 x 0.3 per 1M
+    assert [(u["prompt_tokens"], u["batch_id"], u["cost"], u["currency"]) for u in _csv(r.text)] == [
+        ("1000000", "", "0.15", "usd"),
+        ("600000", "batch_x1", "0.075", "usd"),
     ]
     r = await c.get("/admin/v1/exports/usage", headers=api.h("admin_a"), params=span | {"format": "json"})
-    assert [(u["prompt_tokens"], u["batch_id"]) for u in r.json()] == [
-        (1_000_000, None),
-        (600_000, "batch_x1"),
+    assert [(u["prompt_tokens"], u["batch_id"], u["cost"]) for u in r.json()] == [
+        (1_000_000, None, "0.15"),
+        (600_000, "batch_x1", "0.075"),
     ]
 
     r = await c.get("/admin/v1/exports/rollups", headers=api.h("admin_a"), params=span)

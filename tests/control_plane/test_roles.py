@@ -49,6 +49,7 @@ CASES: dict[str, list[Op]] = {
         Op("PATCH", "/organizations/{org_id}", "/organizations/{org}", {"name": "mine-now"}),
         Op("POST", "/organizations/{org_id}/suspend", "/organizations/{org}/suspend", admin=403),
         Op("POST", "/organizations/{org_id}/resume", "/organizations/{org}/resume", admin=403),
+        Op("GET", "/organizations/{org_id}/limits", "/organizations/{org}/limits"),
     ],
     "users": [
         Op("GET", "/organizations/{org_id}/users", "/organizations/{org}/users"),
@@ -125,6 +126,11 @@ CASES: dict[str, list[Op]] = {
         Op("GET", "/exports/{what}", "/exports/rollups?org={org}"),
         Op("GET", "/exports/{what}", "/exports/usage?from=2025-01&to=2025-02", admin=200),  # A's own only
         Op("POST", "/rollups", "/rollups", {"from": "2025-01", "to": "2025-02"}, admin=403),
+        # usage grouped and priced
+        Op("GET", "/usage", "/usage?org={org}"),
+        Op("GET", "/usage", "/usage?key={key}&group_by=key"),
+        Op("GET", "/usage", "/usage?key={key_prefix}"),
+        Op("GET", "/usage", "/usage?group_by=org,model,key&from=2025-01", admin=200),  # A's own only
     ],
     "invoices": [
         Op("GET", "/invoices", "/invoices", admin=200),  # A's own only
@@ -328,6 +334,8 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/rollups", {"from": "2025-01", "to": "soon"}, 400, "to"),
     ("POST", "/invoices/generate", {"month": "2025-13"}, 400, "month"),
     ("GET", "/exports/usage?format=xml", None, 400, "format"),
+    ("GET", "/usage?group_by=colour", None, 400, "group_by"),
+    ("GET", "/usage?from=2025-02&to=2025-01", None, 400, "to"),
     ("GET", "/exports/secrets", None, 404, None),
     ("GET", "/audit?until=later", None, 400, "until"),
     ("GET", "/keys/key_nope", None, 404, None),

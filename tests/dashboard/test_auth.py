@@ -91,7 +91,9 @@ async def test_forms_without_the_csrf_token_are_refused(env: AdminEnv) -> None:
     r = await s.client.post(
         "/dashboard/keys", data={"org": env.default_org, "name": "by-header"}, headers={"x-csrftoken": token}
     )
-    assert r.status_code == 200 and "by-header" in r.text
+    assert r.status_code == 303 and r.headers["location"].endswith("/created")  # to the secret's page
+    keys = (await env.client.get(f"/admin/v1/organizations/{env.default_org}/keys", headers=env.root)).json()
+    assert "by-header" in [k["name"] for k in keys]
     await s.client.aclose()
 
 

@@ -6,8 +6,8 @@ An organisation admin signs in, creates an API key (its secret shown once) and u
 through the gateway with the openai SDK; the usage page's chart and table then show what
 the ledger holds, bucket by bucket; the usage CSV downloads and is the ledger; the key is
 revoked in the page, after which the gateway refuses it; a dedicated deployment is created
-and scaled. A platform admin visits every page. Every page is screenshotted, at 1280 px
-and at phone width, into test-artifacts/dashboard/.
+and scaled; a platform admin sees the shared deployment's live worker. Screenshots go into
+test-artifacts/dashboard/ (every page at both widths: test_layout.py, into screens/).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1280, "height": 900}
 
 
@@ -231,6 +230,7 @@ def test_key_usage_csv_and_revoke(server: Server, tenant: dict[str, str], browse
 
     # --- revoke it in the page: the gateway refuses it ------------------------------------
     page.get_by_role("link", name="API keys").click()
+    page.once("dialog", lambda dialog: dialog.accept())  # "Revoke key ...?" (test_keys_flow.py)
     page.locator("#keys tr[data-prefix]", has_text="browser-key").get_by_role("button", name="Revoke").click()
     assert "Revoked key" in page.locator(".flash.ok").inner_text()
     assert page.locator("#keys tr", has_text="browser-key").get_attribute("data-status") == "revoked"
@@ -276,35 +276,19 @@ def test_create_and_scale_a_dedicated_deployment(
     page.context.close()
 
 
-PAGES = ["/", "/orgs", "/keys", "/models", "/deployments", "/usage", "/invoices", "/prices"]
-
-
-@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
-def test_every_page_as_platform_admin(
-    server: Server, tenant: dict[str, str], browser: Any, viewport: dict[str, int]
-) -> None:
-    page = sign_in(browser, server, "ops@tokenmill.test", viewport)
+def test_live_workers_and_the_keyboard(server: Server, tenant: dict[str, str], browser: Any) -> None:
+    """The shared deployment's real worker on its page; the skip link. (Every page at both
+    widths, with screenshots and the clipping checks: tests/dashboard/test_layout.py.)"""
+    page = sign_in(browser, server, "ops@tokenmill.test")
     serving = check(server.admin().get("/deployments"))
     shared = next(d for d in serving if d["type"] == "serverless")
-    names = {
-        "/": "overview",
-        f"/orgs/{tenant['org_id']}": "org",
-        f"/deployments/{shared['id']}": "deployment",
-    }
-    for path in [*PAGES, f"/orgs/{tenant['org_id']}", f"/deployments/{shared['id']}"]:
-        response = page.goto(f"{server.url}/dashboard{path}")
-        assert response is not None and response.status == 200, path
-        assert page.locator("h1").count() == 1
-        # nothing wider than the screen but the tables, which scroll inside their box
-        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
-        assert overflow <= 1, f"{path} is {overflow}px wider than the screen"
-        shot(page, f"{names.get(path, path.strip('/'))}-{viewport['width']}")
     # the shared deployment's live worker, with its KV usage and queue depth
     page.goto(f"{server.url}/dashboard/deployments/{shared['id']}")
     page.wait_for_selector("#workers-table tr[data-worker]")
     worker = page.locator("#workers-table tr[data-worker]").first
     assert 0.0 <= float(worker.get_attribute("data-kv") or -1) <= 1.0
     assert int(worker.get_attribute("data-waiting") or -1) >= 0
+    shot(page, "deployment-live-worker")
     # keyboard: the skip link is the first stop and lands on the content
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.textContent") == "Skip to content"

@@ -18,9 +18,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from billing.models import Refusal
 from control_plane.orgs.models import ApiKey
+from control_plane.plans.limits import Rate
 from gateway.accounting import Accounting, reason_of
 from gateway.admission import _refusal
-from gateway.keys import KeyCache, Rate
+from gateway.keys import KeyCache
 from gateway.metrics import REASONS, GatewayMetrics
 from tests.gateway.conftest import Env, serve
 from tests.gateway.test_admission import new_key
