@@ -3,15 +3,30 @@ serve on the test's loop: launching it and signing in through the login form, as
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from playwright.async_api import Browser, Dialog, Page, async_playwright
 
 from tests.dashboard.conftest import PASSWORD
-from tests.dashboard.test_batches_page import CHROMIUM_ARGS
 
+# Every browser test's screenshots go here (README: Dashboard).
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
+# Without these, Chromium stalls on a closed network (updates, sync, QUIC probes).
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 

@@ -80,3 +80,13 @@ async def admin_env(tmp_path: Path, model_cache: Path, db_url: str) -> AsyncIter
     """On SQLite and on PostgreSQL."""
     async with make_admin_env(tmp_path, model_cache, db_url) as admin_env:
         yield admin_env
+
+
+@pytest.fixture
+def chromium() -> str:
+    """Debian's Chromium, which `make test` installs (never Playwright's own download)."""
+    from tests.dashboard.browser import CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs Debian's (apt-get install chromium)")
+    return CHROMIUM

@@ -10,9 +10,8 @@ from typing import Any
 from playwright.async_api import Page, expect
 
 from tests.control_plane.conftest import MODEL, AdminEnv, lora_files
-from tests.dashboard.browser import launched, signed_in
+from tests.dashboard.browser import ARTIFACTS, launched, signed_in
 from tests.dashboard.conftest import add_user
-from tests.dashboard.test_batches_page import ARTIFACTS, chromium  # noqa: F401 (a fixture)
 
 API = "/admin/v1"
 
@@ -52,7 +51,7 @@ async def _adapters(env: AdminEnv, org_id: str) -> list[str]:
 
 async def test_a_refused_upload_says_why_next_to_the_form_and_keeps_the_name(
     env: AdminEnv,
-    chromium: str,  # noqa: F811
+    chromium: str,
 ) -> None:
     org = await env.org("acme")
     await add_user(env, org.id, "admin@acme.test", "org_admin")
@@ -96,7 +95,7 @@ async def test_a_refused_upload_says_why_next_to_the_form_and_keeps_the_name(
 
 async def test_without_javascript_the_form_posts_and_redirects(
     env: AdminEnv,
-    chromium: str,  # noqa: F811
+    chromium: str,
 ) -> None:
     org = await env.org("acme")
     await add_user(env, org.id, "admin@acme.test", "org_admin")

@@ -10,12 +10,10 @@ import asyncio
 import html
 import io
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 from playwright.async_api import async_playwright
 from sqlalchemy import update
 
@@ -24,23 +22,11 @@ from control_plane.batches.models import Batch
 from control_plane.batches.services import BatchService, batch_service
 from dashboard.batch_pages import PAGE_SIZE
 from tests.control_plane.conftest import MODEL, AdminEnv
+from tests.dashboard.browser import ARTIFACTS, CHROMIUM_ARGS, answer_dialogs
 from tests.dashboard.conftest import PASSWORD, Session, add_user, sign_in
 from tokenmill.openai_batches import BatchCreateRequest
 
 ENDPOINT = "/v1/chat/completions"
-# Beside test_browser.py's screenshots of the other pages.
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
-CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 _ROW = re.compile(
     r'<tr data-batch="([^"]+)" data-status="([^"]+)" data-total="(\d+)" '
     r'data-completed="(\d+)" data-failed="(\d+)">(.*?)</tr>',
@@ -274,13 +260,6 @@ async def test_pages_of_batches(env: AdminEnv) -> None:
     await s.client.aclose()
 
 
-@pytest.fixture
-def chromium() -> str:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs Debian's (apt-get install chromium)")
-    return CHROMIUM
-
-
 async def test_in_a_browser(env: AdminEnv, tmp_path: Path, chromium: str) -> None:
     """An organisation admin finds the page in the navigation, downloads a finished batch's
     output and cancels a running one."""
@@ -325,6 +304,15 @@ async def test_in_a_browser(env: AdminEnv, tmp_path: Path, chromium: str) -> Non
                 service, org_id, done.output_file_id
             )
 
+            # cancelling asks first: dismissed, nothing happens; accepted, it cancels
+            asked: list[str] = []
+            answer_dialogs(page, False, asked)
+            await row.get_by_role("button", name="Cancel").click()
+            await page.wait_for_timeout(300)
+            assert asked and running.id in asked[0], asked
+            assert await row.get_attribute("data-status") == "in_progress"
+            assert (await service.get(org_id, running.id)).status == "in_progress"
+            answer_dialogs(page, True, asked)
             await row.get_by_role("button", name="Cancel").click()
             await page.wait_for_selector(".flash.ok")
             assert f"Cancelling batch {running.id}" in await page.locator(".flash.ok").inner_text()

@@ -27,8 +27,8 @@ from billing.prices.services import PriceBook
 from billing.rollups.services import store_rollups
 from dashboard.filters import invoice_label, money, number, price
 from tests.control_plane.conftest import MODEL, AdminEnv
+from tests.dashboard.browser import ARTIFACTS, CHROMIUM_ARGS
 from tests.dashboard.conftest import PASSWORD, Session, add_user, sign_in
-from tests.dashboard.test_batches_page import ARTIFACTS, CHROMIUM_ARGS, chromium  # noqa: F401 (a fixture)
 from tokenmill.protocol import UsageRecord
 
 API = "/admin/v1"
@@ -300,7 +300,7 @@ async def test_an_org_admin_has_no_billing_buttons_and_cannot_post_them(env: Adm
 # --- in a browser ----------------------------------------------------------------------------
 
 
-async def test_in_a_browser(env: AdminEnv, tmp_path: Path, chromium: str) -> None:  # noqa: F811
+async def test_in_a_browser(env: AdminEnv, tmp_path: Path, chromium: str) -> None:
     """A platform admin runs the rollups, generates last month's invoices, finalizes one
     (declining the confirmation once, then accepting it) and downloads its PDF; the
     organisation's admin sees the same invoice without any of the buttons."""

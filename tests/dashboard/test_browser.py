@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import shutil
 import time
 from collections import defaultdict
@@ -27,25 +26,13 @@ import openai
 import pytest
 from playwright import sync_api
 
+from tests.dashboard.browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 from tests.dashboard.conftest import PASSWORD
 from tests.e2e.test_admin_journey import MODEL, Server, _stop_process, check, parse_db_time, start_server
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
-# Without these, Chromium stalls on a closed network (updates, sync, QUIC probes).
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 DESKTOP = {"width": 1280, "height": 900}
 
 

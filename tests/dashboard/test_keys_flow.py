@@ -11,9 +11,8 @@ from typing import Any
 from playwright.async_api import Page
 
 from tests.control_plane.conftest import AdminEnv
-from tests.dashboard.browser import answer_dialogs, launched, signed_in
+from tests.dashboard.browser import ARTIFACTS, answer_dialogs, launched, signed_in
 from tests.dashboard.conftest import add_user, sign_in
-from tests.dashboard.test_batches_page import ARTIFACTS, chromium  # noqa: F401 (a fixture)
 
 API = "/admin/v1"
 _SECRET = re.compile(r'id="new-secret"[^>]*>(tm-[A-Za-z0-9]+)<')
@@ -88,7 +87,7 @@ async def _create(page: Page, base: str, name: str) -> str:
 
 async def test_in_a_browser_a_reload_makes_no_second_key_and_revoke_asks(
     env: AdminEnv,
-    chromium: str,  # noqa: F811
+    chromium: str,
 ) -> None:
     org = await env.org("acme")
     await add_user(env, org.id, "admin@acme.test", "org_admin")

@@ -19,9 +19,8 @@ from playwright.async_api import Page
 
 from dashboard import limits_pages
 from tests.control_plane.conftest import AdminEnv
-from tests.dashboard.browser import DESKTOP, PHONE, launched, signed_in
+from tests.dashboard.browser import ARTIFACTS, DESKTOP, PHONE, launched, signed_in
 from tests.dashboard.conftest import add_user, sign_in
-from tests.dashboard.test_batches_page import ARTIFACTS, chromium  # noqa: F401 (a fixture)
 from tests.dashboard.test_isolation import _world
 
 SCREENS = ARTIFACTS / "screens"
@@ -104,7 +103,7 @@ async def _check(page: Page, name: str, width: int) -> list[str]:
     return problems
 
 
-async def test_every_page_at_desktop_and_phone_width(env: AdminEnv, chromium: str) -> None:  # noqa: F811
+async def test_every_page_at_desktop_and_phone_width(env: AdminEnv, chromium: str) -> None:
     alpha, _, shared = await _world(env)
     await add_user(env, env.default_org, "root@platform.test", "platform_admin")
     ids = {

@@ -17,9 +17,8 @@ from billing.common import month_bounds
 from billing.ledger.services import record_usage
 from billing.prices.services import PriceBook
 from tests.control_plane.conftest import MODEL, AdminEnv
-from tests.dashboard.browser import launched, signed_in
+from tests.dashboard.browser import ARTIFACTS, launched, signed_in
 from tests.dashboard.conftest import add_user, sign_in
-from tests.dashboard.test_batches_page import ARTIFACTS, chromium  # noqa: F401 (a fixture)
 from tokenmill.protocol import UsageRecord
 
 API = "/admin/v1"
@@ -171,7 +170,7 @@ async def test_an_org_admin_sees_its_limits_and_budget_against_spend(admin_env: 
         await session.client.aclose()
 
 
-async def test_in_a_browser(env: AdminEnv, chromium: str) -> None:  # noqa: F811
+async def test_in_a_browser(env: AdminEnv, chromium: str) -> None:
     await _world(env)
     base = str(env.client.base_url)
     async with launched(chromium) as browser:

@@ -23,8 +23,8 @@ from billing.refusals.services import add_refusals
 from dashboard.services import usage_series, window
 from tests.billing.billing_world import add_usage
 from tests.control_plane.conftest import AdminEnv, make_admin_env
+from tests.dashboard.browser import ARTIFACTS, CHROMIUM_ARGS
 from tests.dashboard.conftest import PASSWORD, add_user
-from tests.dashboard.test_batches_page import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 
 
 def _event(n: int, org: str, key: str, at: datetime, status: str = "ok") -> dict[str, object]:
@@ -98,13 +98,6 @@ async def quick_env(tmp_path: Path, model_cache: Path, sqlite_url: str) -> Async
         tmp_path, model_cache, sqlite_url, refusals_flush_seconds=0.2, key_last_used_seconds=0.2
     ) as env:
         yield env
-
-
-@pytest.fixture
-def chromium() -> str:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs Debian's (apt-get install chromium)")
-    return CHROMIUM
 
 
 async def test_in_a_browser(quick_env: AdminEnv, chromium: str, tmp_path: Path) -> None:

@@ -35,8 +35,8 @@ from billing.rollups.usage import ledger_spend_per_bucket, usage_by
 from dashboard import charts
 from tests.billing.billing_world import FEB, JAN, add_model_price, add_usage, make_world, t
 from tests.control_plane.conftest import MODEL, AdminEnv
+from tests.dashboard.browser import ARTIFACTS, CHROMIUM_ARGS
 from tests.dashboard.conftest import PASSWORD, Session, add_user, sign_in
-from tests.dashboard.test_batches_page import ARTIFACTS, CHROMIUM_ARGS, chromium  # noqa: F401 (a fixture)
 from tokenmill.protocol import UsageRecord
 
 API = "/admin/v1"
@@ -501,7 +501,7 @@ CHART_TEXT = """() => Array.from(document.querySelectorAll('svg.chart')).map(svg
 })"""
 
 
-async def test_chart_text_stays_inside_each_chart(env: AdminEnv, chromium: str) -> None:  # noqa: F811
+async def test_chart_text_stays_inside_each_chart(env: AdminEnv, chromium: str) -> None:
     """The overview and usage pages with data (millions of tokens, spend in the thousands, a
     long model name, hourly and daily buckets), at 1280 and 390 px: every SVG text of every
     chart lies inside the chart's box."""
