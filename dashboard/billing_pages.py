@@ -225,6 +225,7 @@ async def add_model_price(request: Request[Any, Any, Any], uow: NamedDependency[
             output_per_mtok=output_price,
             cached_input_per_mtok=form_decimal(fields.get("cached_input_per_mtok"), "cached_input_per_mtok"),
             currency=fields.get("currency") or "usd",
+            batch_discount=form_decimal(fields.get("batch_discount"), "batch_discount"),
         )
         await record_change(uow.session, admin, "create", "price", price.id, org_id=None, after=price)
         return f"New price of {model.name} in effect from now."

@@ -180,6 +180,29 @@ async def test_organisations_users_plans_and_prices(env: AdminEnv) -> None:
     assert _flash(text) == "ok: New price of a100 in effect from now."
     page = (await s.get("/prices")).text
     assert "1.25" in page and "a100" in page and "pro" in page
+    assert 'data-batch-discount="0.5' in page and "50.00%" in page  # the default
+    # a batch discount set on the form, and one out of range refused with the service's reason
+    text = await _follow(
+        s,
+        await s.post(
+            "/prices/models",
+            {"model": MODEL, "input_per_mtok": "1", "output_per_mtok": "2", "batch_discount": "0.25"},
+        ),
+    )
+    assert _flash(text) == f"ok: New price of {MODEL} in effect from now."
+    prices = (await env.client.get(f"{API}/prices/models", headers=env.root)).json()
+    newest = max(prices, key=lambda p: p["effective_from"])
+    assert Decimal(str(newest["batch_discount"])) == Decimal("0.25")
+    assert "25.00%" in (await s.get("/prices")).text
+    text = await _follow(
+        s,
+        await s.post(
+            "/prices/models",
+            {"model": MODEL, "input_per_mtok": "1", "output_per_mtok": "2", "batch_discount": "1.5"},
+        ),
+    )
+    assert _flash(text).startswith("error: "), text
+    assert len((await env.client.get(f"{API}/prices/models", headers=env.root)).json()) == len(prices)
     text = await _follow(s, await s.post("/prices/gpus", {"gpu_type": "a100", "per_hour": "lots"}))
     assert _flash(text) == "error: per_hour must be a number."
     await s.client.aclose()
