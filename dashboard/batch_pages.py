@@ -110,7 +110,7 @@ async def cancel_batch(
     before = await service.get(org_id, batch_id)  # another organisation's: a 404 page, not a message
 
     async def act() -> str:
-        batch = await service.cancel(org_id, batch_id)
+        batch = await service.cancel(org_id, batch_id, actor=admin)
         if before.status in ("cancelling", "cancelled"):  # a second click, or another tab's
             return f"Batch {batch.id} is already {batch.status}."
         return f"Cancelling batch {batch.id}: none of its requests start from now on."

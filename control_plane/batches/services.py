@@ -25,10 +25,12 @@ from typing import Any
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from control_plane.audit.services import record_change, snapshot
 from control_plane.batches.lines import EXPIRED_MESSAGE, Checked, check_line, result_line
 from control_plane.batches.models import Batch, BatchLine
 from control_plane.files.models import StoredFile
 from control_plane.files.services import BATCH, BATCH_OUTPUT, FileService, file_service
+from control_plane.policy import Principal
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
 from tokenmill.openai_batches import (
@@ -203,9 +205,11 @@ class BatchService:
             rows = list(await session.scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)))
         return BatchPage(rows[:limit], len(rows) > limit)
 
-    async def cancel(self, org_id: str, batch_id: str) -> Batch:
+    async def cancel(self, org_id: str, batch_id: str, actor: Principal | None = None) -> Batch:
         """`cancelling` now; the runner stops starting lines and finalizes it as `cancelled`
-        with what ran. Cancelling a batch already cancelling or cancelled changes nothing."""
+        with what ran. Cancelling a batch already cancelling or cancelled changes nothing.
+        An `actor` (an admin in the dashboard, as opposed to the batch's API caller) is
+        written to the audit log in the same transaction as the change."""
         async with self.sessionmaker() as session, session.begin():
             row = await session.scalar(
                 select(Batch).where(Batch.id == batch_id, Batch.org_id == org_id).with_for_update()
@@ -221,7 +225,12 @@ class BatchService:
                     param="batch_id",
                     code="batch_not_cancellable",
                 )
+            before = snapshot(row)
             row.status, row.cancelling_at = "cancelling", utcnow()
+            if actor is not None:
+                await record_change(
+                    session, actor, "cancel", "batch", row.id, org_id=org_id, before=before, after=row
+                )
         return row
 
     # --- the runner's side -----------------------------------------------------------------

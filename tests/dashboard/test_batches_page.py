@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from playwright.async_api import async_playwright
-from sqlalchemy import update
+from sqlalchemy import select, update
 
+from control_plane.audit.models import AuditEntry
 from control_plane.batches.lines import result_line
 from control_plane.batches.models import Batch
 from control_plane.batches.services import BatchService, batch_service
@@ -242,6 +243,12 @@ async def test_cancel_moves_an_in_progress_batch_to_cancelling(admin_env: AdminE
     text = await _follow(s, await s.post(f"/batches/{done.id}/cancel", {"org": org_id}))
     assert _flash(text) == "error: Cannot cancel a batch with status 'completed'."
     assert (await service.get(org_id, done.id)).status == "completed"
+    # the one cancel that changed something is in the audit log, as the signed-in user's
+    async with env.app.state.sessionmaker() as session:
+        entries = list(await session.scalars(select(AuditEntry).where(AuditEntry.resource_type == "batch")))
+    assert [(e.action, e.resource_id, e.org_id) for e in entries] == [("cancel", running.id, org_id)]
+    assert entries[0].actor_user_id is not None and entries[0].actor_key_id is None
+    assert (entries[0].before["status"], entries[0].after["status"]) == ("in_progress", "cancelling")
     await s.client.aclose()
 
 
