@@ -33,10 +33,7 @@ from control_plane.files.services import BATCH, BATCH_OUTPUT, FileService, file_
 from control_plane.policy import Principal
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
-from tokenmill.openai_batches import (
-    BATCH_ENDPOINTS,
-    BatchCreateRequest,
-)
+from tokenmill.openai_batches import BATCH_ENDPOINTS, BatchCreateRequest
 from tokenmill.settings import Settings
 from tokenmill.storage import Storage
 

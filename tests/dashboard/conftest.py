@@ -5,6 +5,7 @@ dashboard the way a browser is (the login form, its CSRF token, the session cook
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,3 +91,14 @@ def chromium() -> str:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs Debian's (apt-get install chromium)")
     return CHROMIUM
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_artifacts() -> None:
+    """Screenshots and downloads of this run only: the folder is emptied once, before the
+    first dashboard test, and every browser test adds its own (a module emptying it would
+    delete the pages of the modules before it)."""
+    from tests.dashboard.browser import ARTIFACTS
+
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)

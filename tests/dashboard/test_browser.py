@@ -75,8 +75,7 @@ def _default_org(server: Server) -> str:
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs Debian's (apt-get install chromium)")
-    shutil.rmtree(ARTIFACTS, ignore_errors=True)  # only this run's pages
-    ARTIFACTS.mkdir(parents=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)  # emptied once per run: conftest.py
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
