@@ -247,14 +247,20 @@ def test_kernel_equals_plain_path(kernel: CpuAttention) -> None:
     check(case, kernel, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 40, 12])
-def test_kernel_paths_of_each_head_dim_match_the_dense_reference(kernel: CpuAttention, head_dim: int) -> None:
-    """The kernel's vector paths (scores 8 keys at a time when head_dim is a multiple of 8; the
-    weighted values in registers when it is a multiple of 64) and its scalar path otherwise,
-    with contexts that end inside a group of 8 keys and inside a block."""
-    rng = random.Random(head_dim)
-    shapes = [(c, 1) for c in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 300)] + [(rng.randint(0, 500), 2)]
-    check(make_case(rng, shapes, 9, 3, 16, head_dim=head_dim), kernel, atol=1e-5)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40, 12])
+def test_kernel_paths_of_each_head_dim_match_the_dense_reference(
+    kernel: CpuAttention, head_dim: int, block_size: int
+) -> None:
+    """The kernel's vector paths (with AVX-512, a block's scores in one register when head_dim
+    is 32, 64 or 128 and blocks hold at most 16 tokens; with AVX2, scores 8 keys at a time when
+    head_dim is a multiple of 8, the weighted values in registers when it is a multiple of 64)
+    and its scalar path otherwise, with contexts that end inside a group of 8 keys and inside a
+    block, and blocks read ahead past a short context's end."""
+    rng = random.Random(head_dim * 100 + block_size)
+    shapes = [(c, 1) for c in (0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 300)]
+    shapes += [(rng.randint(0, 500), 2)]
+    check(make_case(rng, shapes, 9, 3, block_size, head_dim=head_dim), kernel, atol=1e-5)
 
 
 def test_kernel_declines_what_it_does_not_cover(kernel: CpuAttention) -> None:
