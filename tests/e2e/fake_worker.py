@@ -164,7 +164,9 @@ async def main() -> None:
         delay=args.delay,
         counts=counts,
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # A hung request never ends by itself: past a second, SIGTERM cancels it (uvicorn would
+    # otherwise wait for it until the test's teardown kills the process, 20 s later).
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     try:
         await server.serve(sockets=[sock])
     finally:
