@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.async_api import async_playwright
 
 from billing.common import grouped, money_text, month_bounds, price_text
 from billing.invoices.services import build_invoice_drafts
@@ -27,8 +26,8 @@ from billing.prices.services import PriceBook
 from billing.rollups.services import store_rollups
 from dashboard.filters import invoice_label, money, number, price
 from tests.control_plane.conftest import MODEL, AdminEnv
-from tests.dashboard.browser import ARTIFACTS, CHROMIUM_ARGS
-from tests.dashboard.conftest import PASSWORD, Session, add_user, sign_in
+from tests.dashboard.browser import ARTIFACTS, launched, signed_in
+from tests.dashboard.conftest import Session, add_user, sign_in
 from tokenmill.protocol import UsageRecord
 
 API = "/admin/v1"
@@ -308,110 +307,92 @@ async def test_in_a_browser(env: AdminEnv, tmp_path: Path, chromium: str) -> Non
     last, this = _months()
     base = str(env.client.base_url)
     await asyncio.to_thread(ARTIFACTS.mkdir, parents=True, exist_ok=True)
-    async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
+    async with launched(chromium) as browser:
+        page = await signed_in(browser, base, "root@platform.test")
+        await page.get_by_role("navigation", name="Main").get_by_role("link", name="Invoices").click()
+        await page.wait_for_url("**/dashboard/invoices")
+        runs = page.locator("#billing-runs")
+        await runs.get_by_label("From").fill(f"{last:%Y-%m-%d}")
+        await runs.get_by_label("To, exclusive").fill(f"{this:%Y-%m-%d}")
+        await runs.get_by_role("button", name="Run rollups").click()
+        await page.wait_for_selector(".flash.ok")
+        assert "Rollups of" in await page.locator(".flash.ok").inner_text()
+        await runs.get_by_label("Month", exact=True).fill(f"{last:%Y-%m}")
+        await page.get_by_role("button", name="Generate invoices").click()
+        await page.wait_for_selector(".flash.ok")
+        assert await page.locator(".flash.ok").inner_text() == f"Invoices of {last:%Y-%m}: 2 new."
+        (draft,) = await _invoices(env, orgs["acme"])
+        row = page.locator(f'#invoices tr[data-invoice="{draft["id"]}"]')
+        assert f"Draft {draft['id']}" in await row.inner_text()
+        await page.screenshot(path=str(ARTIFACTS / "invoices.png"), full_page=True)
+        await row.get_by_role("link", name=f"{last:%Y-%m}").click()
+        await page.wait_for_url(f"**/dashboard/invoices/{draft['id']}")
+        assert await page.locator("h1").inner_text() == f"Draft invoice {draft['id']}"
+        await page.screenshot(path=str(ARTIFACTS / "invoice-draft.png"), full_page=True)
 
-            async def signed_in(email: str) -> Any:
-                context = await browser.new_context(
-                    accept_downloads=True, viewport={"width": 1280, "height": 900}
-                )
-                context.set_default_timeout(30_000)
-                page = await context.new_page()
-                await page.goto(f"{base}/dashboard/login")
-                await page.get_by_label("Email").fill(email)
-                await page.get_by_label("Password").fill(PASSWORD)
-                await page.get_by_role("button", name="Sign in").click()
-                await page.wait_for_url(f"{base}/dashboard/")
-                return page
+        # declined: nothing posted
+        asked: list[str] = []
 
-            page = await signed_in("root@platform.test")
-            await page.get_by_role("navigation", name="Main").get_by_role("link", name="Invoices").click()
-            await page.wait_for_url("**/dashboard/invoices")
-            runs = page.locator("#billing-runs")
-            await runs.get_by_label("From").fill(f"{last:%Y-%m-%d}")
-            await runs.get_by_label("To, exclusive").fill(f"{this:%Y-%m-%d}")
-            await runs.get_by_role("button", name="Run rollups").click()
-            await page.wait_for_selector(".flash.ok")
-            assert "Rollups of" in await page.locator(".flash.ok").inner_text()
-            await runs.get_by_label("Month", exact=True).fill(f"{last:%Y-%m}")
-            await page.get_by_role("button", name="Generate invoices").click()
-            await page.wait_for_selector(".flash.ok")
-            assert await page.locator(".flash.ok").inner_text() == f"Invoices of {last:%Y-%m}: 2 new."
-            (draft,) = await _invoices(env, orgs["acme"])
-            row = page.locator(f'#invoices tr[data-invoice="{draft["id"]}"]')
-            assert f"Draft {draft['id']}" in await row.inner_text()
-            await page.screenshot(path=str(ARTIFACTS / "invoices.png"), full_page=True)
-            await row.get_by_role("link", name=f"{last:%Y-%m}").click()
-            await page.wait_for_url(f"**/dashboard/invoices/{draft['id']}")
-            assert await page.locator("h1").inner_text() == f"Draft invoice {draft['id']}"
-            await page.screenshot(path=str(ARTIFACTS / "invoice-draft.png"), full_page=True)
+        async def decline(dialog: Any) -> None:
+            asked.append(dialog.message)
+            await dialog.dismiss()
 
-            # declined: nothing posted
-            asked: list[str] = []
+        async def accept(dialog: Any) -> None:
+            asked.append(dialog.message)
+            await dialog.accept()
 
-            async def decline(dialog: Any) -> None:
-                asked.append(dialog.message)
-                await dialog.dismiss()
+        page.once("dialog", decline)
+        await page.get_by_role("button", name="Finalize invoice").click()
+        await page.wait_for_timeout(500)
+        assert asked == [
+            f"Finalize draft {draft['id']}? It gets the next invoice number and can never change again."
+        ]
+        assert (await _invoices(env, orgs["acme"]))[0]["status"] == "draft"
+        assert await page.locator(".flash").count() == 0
+        # accepted: finalized, numbered, said so
+        page.once("dialog", accept)
+        await page.get_by_role("button", name="Finalize invoice").click()
+        await page.wait_for_selector(".flash.ok")
+        assert len(asked) == 2
+        assert "as TM-000001" in await page.locator(".flash.ok").inner_text()
+        assert await page.locator("h1").inner_text() == "Invoice TM-000001"
+        assert await page.get_by_role("button", name="Finalize invoice").count() == 0
+        await page.screenshot(path=str(ARTIFACTS / "invoice.png"), full_page=True)
 
-            async def accept(dialog: Any) -> None:
-                asked.append(dialog.message)
-                await dialog.accept()
+        async with page.expect_download() as info:
+            await page.get_by_role("link", name="Download PDF").click()
+        download = await info.value
+        assert download.suggested_filename == "invoice-TM-000001.pdf"
+        saved = tmp_path / "invoice.pdf"
+        await download.save_as(saved)
+        text = pdf_text(await asyncio.to_thread(saved.read_bytes))
+        assert "Invoice TM-000001" in text and TOTAL in text and "Currency" in text and "USD" in text
 
-            page.once("dialog", decline)
-            await page.get_by_role("button", name="Finalize invoice").click()
-            await page.wait_for_timeout(500)
-            assert asked == [
-                f"Finalize draft {draft['id']}? It gets the next invoice number and can never change again."
-            ]
-            assert (await _invoices(env, orgs["acme"]))[0]["status"] == "draft"
-            assert await page.locator(".flash").count() == 0
-            # accepted: finalized, numbered, said so
-            page.once("dialog", accept)
-            await page.get_by_role("button", name="Finalize invoice").click()
-            await page.wait_for_selector(".flash.ok")
-            assert len(asked) == 2
-            assert "as TM-000001" in await page.locator(".flash.ok").inner_text()
-            assert await page.locator("h1").inner_text() == "Invoice TM-000001"
-            assert await page.get_by_role("button", name="Finalize invoice").count() == 0
-            await page.screenshot(path=str(ARTIFACTS / "invoice.png"), full_page=True)
+        # on a phone: the forms and a draft's page fit the screen (tables scroll in their box)
+        await page.set_viewport_size({"width": 390, "height": 844})
+        (other,) = await _invoices(env, orgs["other"])
+        for path, name in (
+            ("/invoices", "invoices-390"),
+            (f"/invoices/{other['id']}", "invoice-draft-390"),
+        ):
+            await page.goto(f"{base}/dashboard{path}")
+            overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 1, f"{path} is {overflow}px wider than the screen"
+            await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        await page.context.close()
 
-            async with page.expect_download() as info:
-                await page.get_by_role("link", name="Download PDF").click()
-            download = await info.value
-            assert download.suggested_filename == "invoice-TM-000001.pdf"
-            saved = tmp_path / "invoice.pdf"
-            await download.save_as(saved)
-            text = pdf_text(await asyncio.to_thread(saved.read_bytes))
-            assert "Invoice TM-000001" in text and TOTAL in text and "Currency" in text and "USD" in text
-
-            # on a phone: the forms and a draft's page fit the screen (tables scroll in their box)
-            await page.set_viewport_size({"width": 390, "height": 844})
-            (other,) = await _invoices(env, orgs["other"])
-            for path, name in (
-                ("/invoices", "invoices-390"),
-                (f"/invoices/{other['id']}", "invoice-draft-390"),
-            ):
-                await page.goto(f"{base}/dashboard{path}")
-                overflow = await page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
-                assert overflow <= 1, f"{path} is {overflow}px wider than the screen"
-                await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-            await page.context.close()
-
-            # the organisation's admin: the invoice and its PDF, none of the buttons
-            page = await signed_in("admin@acme.test")
-            await page.goto(f"{base}/dashboard/invoices")
-            assert await page.get_by_role("button", name="Run rollups").count() == 0
-            assert await page.get_by_role("button", name="Generate invoices").count() == 0
-            own = page.locator(f'#invoices tr[data-invoice="{draft["id"]}"]')
-            assert "TM-000001" in await own.inner_text()
-            await page.goto(f"{base}/dashboard/invoices/{draft['id']}")
-            assert await page.locator("h1").inner_text() == "Invoice TM-000001"
-            assert await page.get_by_role("button", name="Finalize invoice").count() == 0
-            async with page.expect_download() as info:
-                await page.get_by_role("link", name="Download PDF").click()
-            await (await info.value).save_as(saved)
-            assert "Invoice TM-000001" in pdf_text(await asyncio.to_thread(saved.read_bytes))
-            await page.context.close()
-        finally:
-            await browser.close()
+        # the organisation's admin: the invoice and its PDF, none of the buttons
+        page = await signed_in(browser, base, "admin@acme.test")
+        await page.goto(f"{base}/dashboard/invoices")
+        assert await page.get_by_role("button", name="Run rollups").count() == 0
+        assert await page.get_by_role("button", name="Generate invoices").count() == 0
+        own = page.locator(f'#invoices tr[data-invoice="{draft["id"]}"]')
+        assert "TM-000001" in await own.inner_text()
+        await page.goto(f"{base}/dashboard/invoices/{draft['id']}")
+        assert await page.locator("h1").inner_text() == "Invoice TM-000001"
+        assert await page.get_by_role("button", name="Finalize invoice").count() == 0
+        async with page.expect_download() as info:
+            await page.get_by_role("link", name="Download PDF").click()
+        await (await info.value).save_as(saved)
+        assert "Invoice TM-000001" in pdf_text(await asyncio.to_thread(saved.read_bytes))
+        await page.context.close()
