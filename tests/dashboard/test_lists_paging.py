@@ -211,7 +211,10 @@ async def test_search_is_a_case_insensitive_substring_with_literal_wildcards(adm
     )
     # invoices: by number (as printed, or its digits), id, organisation name or id
     assert {i.number for i in await _all(admin_env, lists["invoices"], q="tm-000101")} == {101}
-    assert {i.number for i in await _all(admin_env, lists["invoices"], q="102")} == {102}
+    by_digits = await _all(admin_env, lists["invoices"], q="102")
+    assert 102 in {i.number for i in by_digits}
+    # the same digits may stand in a random hex id too (about one run in ten): the only other hits
+    assert all(i.number == 102 or "102" in i.id or "102" in i.org_id for i in by_digits)
     assert {i.org_id for i in await _all(admin_env, lists["invoices"], q="BRAVO")} == {orgs["bravo"]}
     one = (await _all(admin_env, lists["invoices"]))[3]
     assert [i.id for i in await _all(admin_env, lists["invoices"], q=one.id.upper())] == [one.id]
