@@ -129,6 +129,12 @@ class Settings(BaseSettings):
         description="KV cache memory of a CPU worker, in GiB; default: 40% of the host's (or the "
         "container's) memory shared among the workers on the host, at most 8 GiB each.",
     )
+    kv_prefault_gib: float = Field(
+        default=2.0,
+        ge=0,
+        description="How much of a CPU worker's KV cache a background thread maps in at start, at "
+        "the lowest priority, so that requests do not pay for first touching it; 0 = none.",
+    )
     prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
     scheduling: Literal["fair", "fcfs"] = Field(
         default="fair",

@@ -100,6 +100,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         # Unset: the engine's default share of the host's memory (workers/engine/kv_cache.py).
         kv_cache_gib=settings.kv_cache_gib,
+        kv_prefault_gib=settings.kv_prefault_gib,
         enable_prefix_caching=settings.prefix_caching,
         scheduling=settings.scheduling,
         num_speculative_tokens=settings.num_speculative_tokens,

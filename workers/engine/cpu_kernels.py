@@ -119,6 +119,8 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _i64]
         for fn in (lib.tm_rms_norm, lib.tm_rope, lib.tm_store_kv, lib.tm_silu_mul):
             fn.restype = None
+        lib.tm_prefault.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+        lib.tm_prefault.restype = _i64
         _lib = lib
         return lib
 

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from tokenmill.tokenization import IncrementalDetokenizer, StopStringMatcher, To
 from workers.engine import linear
 from workers.engine.attention import CpuAttention, select_backend
 from workers.engine.block_manager import BlockManager
+from workers.engine.host_memory import Prefault, keep_freed_heap
 from workers.engine.kv_cache import EngineRegistry, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model
 from workers.engine.lora import AdapterError, LoraAdapter, load_adapter
@@ -43,6 +45,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the token budget of one step
     # CPU: memory for the KV cache; None = a capped share of the host's memory (kv_cache.py)
     kv_cache_gib: float | None = None
+    # CPU: how much of the pool a background thread maps in at start (host_memory.py), so that
+    # steps do not pay for first touching it; the rest maps in on first use. 0 = none (a
+    # worker's default is TOKENMILL_KV_PREFAULT_GIB's).
+    kv_prefault_gib: float = 0.0
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory for the KV cache
     num_blocks: int | None = None  # fixed pool size, overriding the budgets
     enable_prefix_caching: bool = True
@@ -206,6 +212,12 @@ class LLMEngine:
                 "KV cache: %.2f GiB, %d blocks (%d engines on this host)", budget / 2**30, num_blocks, engines
             )
         kv_caches = allocate_kv_cache(cfg, num_blocks, config.block_size, config.dtype, device)
+        self.prefault: Prefault | None = None
+        if device.type == "cpu":
+            keep_freed_heap()
+            if config.kv_prefault_gib > 0 and isinstance(backend, CpuAttention):
+                self.prefault = Prefault(backend.lib, kv_caches, int(config.kv_prefault_gib * 2**30))  # type: ignore[arg-type]
+                weakref.finalize(self, self.prefault.stop)  # an engine dropped early frees its pool
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
