@@ -63,7 +63,7 @@ def test_prefault_maps_the_pool_in_and_leaves_it_zero(lib: object) -> None:
     base = caches[0][0]
     whole = torch.empty(0).set_(base.untyped_storage(), 0, (len(caches) * 2 * base.numel(),))
     before = _resident(whole)
-    assert before < 16 * MIB  # calloc'd: nothing mapped in yet
+    assert before < 16 * MIB  # fresh anonymous memory: nothing mapped in yet
     limit = 6 * MIB  # of each of the 8 regions (every layer's k and v)
     job = Prefault(lib, caches, 8 * limit)  # type: ignore[arg-type]
     job.join(60)

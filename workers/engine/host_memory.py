@@ -14,7 +14,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 2 << 20  # one huge page of every region at a time (numpy's pool is THP-advised)
+_CHUNK = 2 << 20  # one huge page of every region at a time (the pool is THP-advised)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 

@@ -1,6 +1,6 @@
 /* Faulting in the CPU KV pool ahead of use.
 
-   The pool is calloc'd: the OS maps zero pages and fills them in on first write. On a VM
+   The pool is fresh anonymous memory: the OS fills a page in on its first write. On a VM
    that first write costs 1-2 us per 4 KiB page (the host backs the page too), and it lands
    inside the step that first stores k/v there: about 5% of a fresh server's first busy
    minute here. This walks the pool once in the background instead, at the lowest CPU
