@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.e2e.serve import EMBED_MODEL, MODEL, Server, start_server
+from tokenmill.bus import CLAIM_IDLE
 
 pytestmark = pytest.mark.slow
 
@@ -78,17 +79,19 @@ def jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
-def ledger(server: Server, batch_id: str) -> list[tuple[Any, ...]]:
+def ledger(server: Server, batch_id: str, expect: int | None = None) -> list[tuple[Any, ...]]:
     """(request id, prompt, completion tokens) of the batch's usage events, once the billing
-    consumer has caught up (it stops changing)."""
+    consumer has caught up (it stops changing) and, with `expect`, holds that many. Events a
+    killed server's consumer had read but not recorded reach the ledger when the restarted
+    one claims them, CLAIM_IDLE seconds later: `expect` waits that long at most."""
     rows: list[tuple[Any, ...]] = []
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + (30 if expect is None else CLAIM_IDLE + 30)
     while time.monotonic() < deadline:
         now = server.query(
             "SELECT request_id, prompt_tokens, completion_tokens FROM usage_events WHERE batch_id = ?",
             batch_id,
         )
-        if now and now == rows:
+        if now and now == rows and (expect is None or len(now) >= expect):
             return now
         rows = now
         time.sleep(1.0)
@@ -219,7 +222,7 @@ def test_cancel_stops_new_lines_and_keeps_what_ran(server: Server) -> None:
     output = jsonl(client, b.output_file_id)
     assert len(output) == counts.completed and b.error_file_id is None
     # Nothing ran after: the ledger holds exactly the output's lines, and stays so.
-    rows = ledger(server, b.id)
+    rows = ledger(server, b.id, expect=150)
     assert sorted(r[0] for r in rows) == sorted(o["response"]["request_id"] for o in output)
     time.sleep(3)
     assert len(server.query("SELECT 1 FROM usage_events WHERE batch_id = ?", b.id)) == len(rows)
@@ -253,7 +256,7 @@ def test_killed_mid_batch_then_started_again_every_line_once(own_server: Server)
     output = jsonl(client, b.output_file_id)
     ids = [o["custom_id"] for o in output]
     assert sorted(ids) == sorted(f"chat-{i}" for i in range(150)) and len(set(ids)) == 150
-    rows = ledger(server, b.id)
+    rows = ledger(server, b.id, expect=150)
     assert sorted(r[0] for r in rows) == sorted(o["response"]["request_id"] for o in output)
 
 
