@@ -458,6 +458,9 @@ async def test_the_process_running_the_reconciler_serves_its_metrics(tmp_path: P
     engine = make_engine(settings.db_url)
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
+    # The test client runs the app on its own loop in another thread: a connection pooled on
+    # this loop, closed on that one, waits for this (blocked) loop for ever.
+    await engine.dispose()
     app = create_app(settings, engine, Parts(autoscaler=True))
     rec = app.state.reconciler
     rec.metrics.provider_errors.labels("local").inc()
