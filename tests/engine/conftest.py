@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from workers.engine import cpu_kernels
+
 _COMMON = dict(
     vocab_size=256,
     hidden_size=64,
@@ -82,3 +84,12 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)  # safetensors
     return TinyModel(name, path, hf)
+
+
+@pytest.fixture(scope="module")
+def lib() -> object:
+    """The C kernels (workers/engine/csrc), built for this machine. A failed build fails the
+    tests that use it: every supported host has a C compiler (make run needs one for the fast path)."""
+    lib = cpu_kernels.load()
+    assert lib is not None, "the CPU kernels did not build"
+    return lib

@@ -14,13 +14,6 @@ from workers.engine.models.llama import RMSNorm, apply_rope
 SIZES = [3, 64, 2048]  # tokens: a few, a decode batch, a prefill chunk (past PARALLEL_MIN)
 
 
-@pytest.fixture(scope="module")
-def lib() -> object:
-    lib = cpu_kernels.load()
-    assert lib is not None, "the CPU kernels did not build"
-    return lib
-
-
 @pytest.mark.parametrize("n", SIZES)
 def test_rms_norm(lib: object, n: int) -> None:
     torch.manual_seed(n)

@@ -9,23 +9,13 @@ import ctypes.util
 import resource
 from pathlib import Path
 
-import pytest
 import torch
 
-from workers.engine import cpu_kernels
 from workers.engine.config import ModelConfig
 from workers.engine.host_memory import Prefault, keep_freed_heap
 from workers.engine.kv_cache import allocate_kv_cache
 
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def lib() -> object:
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.skip("no C compiler here")
-    return lib
 
 
 def _pool(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
