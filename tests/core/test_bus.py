@@ -525,6 +525,7 @@ async def test_tail_survives_a_lost_stream(redis_url: str, new_stream: Callable[
     stream = new_stream()
     bus = RedisBus.from_url(redis_url)
     seen: list[bytes] = []
+    task: asyncio.Task[None] | None = None
     try:
         for i in range(3):
             await bus.publish(stream, {"n": i})
@@ -546,6 +547,10 @@ async def test_tail_survives_a_lost_stream(redis_url: str, new_stream: Callable[
                 break
             await asyncio.sleep(0.02)
         assert [msgspec.json.decode(s) for s in seen] == [{"n": 3}, {"n": 4}]
-        task.cancel()
+        task.cancel()  # a tail ends when cancelled, whatever read it is in
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
     finally:
+        if task is not None and not task.done():
+            task.cancel()  # never left reading for the rest of the run
         await bus.close()
