@@ -10,6 +10,8 @@ Fixtures (others code against these names):
 - ``sqlite_url`` (function): ``sqlite+aiosqlite:///`` file in ``tmp_path``.
 - ``db_url`` (function): parametrized over sqlite and postgresql, for code that must run on both.
 - ``migrated_db`` (function): an ``async_sessionmaker`` on a ``db_url`` database at migration head.
+  Fixtures that need a database at head call ``tests.databases.migrate`` (a copy of a template
+  migrated once per run); ``tests.databases.create``/``drop`` make and remove PostgreSQL ones.
 - ``model_cache`` (session): a directory shared by the session for converted model files.
 
 Servers are started lazily (only when a test asks for them), never assumed to be running, and
@@ -364,37 +366,13 @@ def pg_server_url(request: pytest.FixtureRequest) -> Iterator[str]:
         stop()
 
 
-async def _create_database(server_url: str, name: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(server_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-
-
-async def _drop_database(server_url: str, name: str) -> None:
-    """Drop even if a test left connections open (an engine it never disposed)."""
-    import asyncpg
-
-    conn = await asyncpg.connect(server_url)
-    try:
-        await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = $1 AND pid <> pg_backend_pid()",
-            name,
-        )
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    finally:
-        await conn.close()
-
-
 @pytest.fixture
 def pg_url(pg_server_url: str) -> Iterator[str]:
     """A fresh, empty database of its own for one test, as a ``postgresql+asyncpg://`` URL."""
+    from tests import databases
+
     name = f"tm_test_{secrets.token_hex(6)}"
-    _run_async(lambda: _create_database(pg_server_url, name))
+    _run_async(lambda: databases.create(pg_server_url, name))
     try:
         yield (
             make_url(pg_server_url)
@@ -402,7 +380,7 @@ def pg_url(pg_server_url: str) -> Iterator[str]:
             .render_as_string(hide_password=False)
         )
     finally:
-        _run_async(lambda: _drop_database(pg_server_url, name))
+        _run_async(lambda: databases.drop(pg_server_url, name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,11 +404,11 @@ def db_url(request: pytest.FixtureRequest) -> str:
 async def migrated_db(db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
     """A session factory on a database at migration head, on SQLite and on PostgreSQL."""
     # Imported here so a broken project module fails the tests that need it, not the harness.
-    import migrations
+    from tests import databases
     from tokenmill.db import make_engine, make_sessionmaker
 
-    # upgrade() runs its own event loop (env.py calls asyncio.run): keep it off this one.
-    await asyncio.to_thread(migrations.upgrade, db_url, "head")
+    # migrate() runs its own event loop (as the migrations do): keep it off this one.
+    await asyncio.to_thread(databases.migrate, db_url)
     engine = make_engine(db_url)
     try:
         yield make_sessionmaker(engine)

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-import migrations
 from billing.models import Invoice, Price
 from control_plane.audit.models import AuditEntry
+from tests import databases
 from tests.billing.billing_world import FEB, JAN, MONTH, Api, add_usage, admin_api, t
 from tokenmill.db import make_engine, utcnow
 
 
 @pytest.fixture
 async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
-    await asyncio.to_thread(migrations.upgrade, db_url, "head")
+    await asyncio.to_thread(databases.migrate, db_url)
     async with admin_api(db_url, tmp_path, make_engine(db_url)) as env:
         yield env
 

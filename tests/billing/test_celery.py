@@ -481,10 +481,10 @@ def celery_worker(
     """A real `tokenmill celery worker` (prefork, one child, as in production) on the test's
     PostgreSQL database, migrated, with Redis as broker and result backend, and the fake
     Stripe as Stripe."""
-    import migrations
+    from tests import databases
 
-    with ThreadPoolExecutor(1) as pool:  # upgrade() runs its own event loop
-        pool.submit(migrations.upgrade, pg_url).result()
+    with ThreadPoolExecutor(1) as pool:  # migrate() runs its own event loop
+        pool.submit(databases.migrate, pg_url).result()
     broker = _celery_redis(redis_url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
     env.update(

@@ -23,13 +23,13 @@ import pytest
 import redis
 from sqlalchemy import select
 
-import migrations
 from billing import celery_app as capp
 from billing.batches import LEASE, BatchRunner
 from billing.models import UsageEvent
 from control_plane.batches.models import Batch
 from control_plane.batches.services import batch_service
 from control_plane.bootstrap import bootstrap
+from tests import databases
 from tests.billing.test_celery import ROOT, _through_worker, start_celery_worker, stop_celery_worker
 from tests.gateway.conftest import BUNDLED_NAME, INTERNAL, Env, serve
 from tests.gateway.test_admission import new_key
@@ -72,7 +72,7 @@ async def platform(pg_url: str, redis_url: str, tmp_path: Path, model_cache: Pat
         worker_wait_seconds=1.0,
         worker_timeout_seconds=600.0,  # the fake worker beats once; the test outlasts a lease
     )
-    await asyncio.to_thread(migrations.upgrade, pg_url)
+    await asyncio.to_thread(databases.migrate, pg_url)
     engine = make_engine(pg_url)
     boot = await bootstrap(
         make_sessionmaker(engine),
@@ -233,7 +233,7 @@ async def test_a_runner_with_nothing_to_do_ends_at_once(pg_url: str, redis_url: 
     """What a `billing.run_batches` task does when no batch waits: claim nothing and end, its
     follower of the workers' heartbeats stopped even when redis-py swallows a cancellation
     (a single cancel left about one task in ten running until the job time limit)."""
-    await asyncio.to_thread(migrations.upgrade, pg_url)
+    await asyncio.to_thread(databases.migrate, pg_url)
     settings = Settings(home=tmp_path, database_url=pg_url, redis_url=_own_redis(redis_url))
     engine = make_engine(pg_url)
     try:

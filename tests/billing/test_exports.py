@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-import migrations
 from billing.exports.services import USAGE_COLUMNS, _usage_stmt, export_query, stream_export
 from billing.jobs import build_invoices, rollup_hours
+from tests import databases
 from tests.billing.billing_world import (
     FEB,
     JAN,
@@ -42,7 +42,7 @@ N = 20_000  # usage rows of the large export
 
 @pytest.fixture
 async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
-    await asyncio.to_thread(migrations.upgrade, db_url, "head")
+    await asyncio.to_thread(databases.migrate, db_url)
     async with admin_api(db_url, tmp_path, make_engine(db_url)) as env:
         yield env
 

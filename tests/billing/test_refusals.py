@@ -16,13 +16,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-import migrations
 from billing.exports.services import REFUSAL_COLUMNS
 from billing.models import Refusal
 from billing.refusals.services import add_refusals, refusals_by_reason, refusals_per_bucket
 from control_plane.orgs.keys import ApiKeyService, record_key_use
 from control_plane.orgs.models import ApiKey
 from control_plane.orgs.services import OrganizationService
+from tests import databases
 from tests.billing.billing_world import FEB, JAN, Api, admin_api, t
 from tokenmill.db import make_engine
 
@@ -123,7 +123,7 @@ async def test_last_use_never_moves_back(migrated_db: async_sessionmaker[AsyncSe
 
 @pytest.fixture
 async def api(db_url: str, tmp_path: Path) -> AsyncIterator[Api]:
-    await asyncio.to_thread(migrations.upgrade, db_url, "head")
+    await asyncio.to_thread(databases.migrate, db_url)
     async with admin_api(db_url, tmp_path, make_engine(db_url)) as env:
         yield env
 

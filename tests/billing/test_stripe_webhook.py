@@ -23,9 +23,9 @@ from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-import migrations
 from billing.models import Invoice, StripeInvoiceSync, StripeSuspension, StripeWebhookEvent
 from control_plane.orgs.models import Organization
+from tests import databases
 from tests.billing.billing_world import serve
 from tests.billing.fake_stripe import FakeStripe
 from tests.gateway.conftest import Env, gateway_env  # noqa: F401  (the fixture)
@@ -90,7 +90,7 @@ def event(
 
 @pytest.fixture
 async def hook(db_url: str, tmp_path: Path) -> AsyncIterator[Hook]:
-    await asyncio.to_thread(migrations.upgrade, db_url)
+    await asyncio.to_thread(databases.migrate, db_url)
     settings = Settings(
         home=tmp_path,
         database_url=db_url,

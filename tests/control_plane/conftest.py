@@ -17,9 +17,9 @@ import httpx
 import pytest
 from litestar import Litestar
 
-import migrations
 from billing.models import Price
 from control_plane.bootstrap import bootstrap
+from tests import databases
 from tests.gateway.conftest import serve
 from tokenmill.app import Parts, create_app
 from tokenmill.db import make_engine, make_sessionmaker, utcnow
@@ -119,7 +119,7 @@ async def make_admin_env(
         worker_wait_seconds=1.0,
         **overrides,
     )
-    await asyncio.to_thread(migrations.upgrade, settings.db_url)
+    await asyncio.to_thread(databases.migrate, settings.db_url)
     engine = make_engine(settings.db_url)
     boot = await bootstrap(
         make_sessionmaker(engine),

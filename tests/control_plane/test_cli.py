@@ -14,11 +14,11 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-import migrations
 from billing.models import Price
 from control_plane.audit.models import AuditEntry
 from control_plane.bootstrap import bootstrap
 from control_plane.catalog.models import Deployment
+from tests import databases
 from tests.control_plane.conftest import GPU, MODEL, SECRET_KEY
 from tokenmill.db import make_engine, make_sessionmaker, utcnow
 from tokenmill.settings import BUNDLED_MODEL
@@ -40,7 +40,7 @@ def admin(env: dict[str, str], *args: str, ok: bool = True) -> subprocess.Comple
 
 
 async def test_operator_commands_suspend_resume_and_manage_deployments(db_url: str, tmp_path: Path) -> None:
-    await asyncio.to_thread(migrations.upgrade, db_url)
+    await asyncio.to_thread(databases.migrate, db_url)
     engine = make_engine(db_url)
     sm = make_sessionmaker(engine)
     await bootstrap(

@@ -38,10 +38,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-import migrations
 from billing.models import UsageEvent
 from control_plane.bootstrap import bootstrap
 from control_plane.catalog.models import Worker
+from tests import databases
 from tests.e2e.serve import Server, start_server
 from tests.e2e.test_gateway_replicas import RedisServer, _free_port
 from tokenmill.db import make_engine, make_sessionmaker
@@ -165,7 +165,7 @@ class Stack:
 async def stack(tmp_path: Path, pg_url: str, model_cache: Path) -> AsyncIterator[Stack]:
     rs = RedisServer(tmp_path)
     rs.start()
-    await asyncio.to_thread(migrations.upgrade, pg_url)
+    await asyncio.to_thread(databases.migrate, pg_url)
     engine = make_engine(pg_url)
     st = Stack(tmp_path, rs, pg_url, model_cache, make_sessionmaker(engine))
     boot = await bootstrap(

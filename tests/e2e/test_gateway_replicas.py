@@ -34,7 +34,6 @@ import redis
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-import migrations
 from billing.ledger.services import UsageConsumer
 from billing.models import Price, UsageEvent
 from control_plane.bootstrap import bootstrap
@@ -42,6 +41,7 @@ from control_plane.orgs.keys import ApiKeyService
 from control_plane.orgs.models import ApiKey, Organization
 from control_plane.orgs.services import OrganizationService
 from control_plane.plans.models import Plan
+from tests import databases
 from tokenmill.bus import RedisBus
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.settings import BUNDLED_MODEL
@@ -162,7 +162,7 @@ class Stack:
 async def stack(tmp_path: Path, pg_url: str, model_cache: Path) -> AsyncIterator[Stack]:
     rs = RedisServer(tmp_path)
     rs.start()
-    await asyncio.to_thread(migrations.upgrade, pg_url)
+    await asyncio.to_thread(databases.migrate, pg_url)
     engine = make_engine(pg_url)
     st = Stack(tmp_path, rs, pg_url, make_sessionmaker(engine))
     boot = await bootstrap(

@@ -52,8 +52,9 @@ from control_plane.plans.models import Plan
 from control_plane.policy import SYSTEM, QuotaDefaults, check_dedicated_quota
 from control_plane.unit import UnitOfWork
 from control_plane.wire import parse
+from tests import databases
 from tests.autoscaler.test_reconciler import Recorder
-from tests.conftest import _create_database, _drop_database, _free_port
+from tests.conftest import _free_port
 from tests.control_plane.conftest import GPU, MODEL
 from tests.control_plane.test_admin_api import API, bearer, error
 from tests.dashboard.conftest import PASSWORD, Session, sign_in
@@ -249,7 +250,7 @@ async def platform(
 ) -> AsyncIterator[Platform]:
     tmp = tmp_path_factory.mktemp("three-doors")
     db_name = f"tm_test_{secrets.token_hex(6)}"  # the harness's pattern: only these are dropped
-    await _create_database(pg_server_url, db_name)
+    await databases.create(pg_server_url, db_name)
     db_url = make_url(pg_server_url).set(drivername="postgresql+asyncpg", database=db_name)
     db = db_url.render_as_string(hide_password=False)
     engine = make_engine(db)
@@ -296,7 +297,7 @@ async def platform(
                 proc.kill()
                 proc.wait()
         await engine.dispose()
-        await _drop_database(pg_server_url, db_name)
+        await databases.drop(pg_server_url, db_name)
 
 
 async def _ready(p: Platform) -> None:

@@ -22,10 +22,10 @@ from litestar import Litestar, Request, post
 from litestar.response import Stream
 from sqlalchemy import select
 
-import migrations
 from control_plane.bootstrap import bootstrap
 from control_plane.catalog.models import Deployment, Model
 from control_plane.catalog.services import CatalogService
+from tests import databases
 from tokenmill.app import Parts, create_app
 from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.protocol import (
@@ -272,7 +272,7 @@ async def gateway_env(tmp_path: Path, model_cache: Path) -> AsyncIterator[Env]:
         worker_wait_seconds=1.0,
         worker_timeout_seconds=30.0,
     )
-    await asyncio.to_thread(migrations.upgrade, settings.db_url)
+    await asyncio.to_thread(databases.migrate, settings.db_url)
     engine = make_engine(settings.db_url)
     boot = await bootstrap(
         make_sessionmaker(engine),
