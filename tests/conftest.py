@@ -460,6 +460,17 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test that used the shared vLLM gets its processes' states and log's end: a
+    hang or crash in vLLM shows only as a timeout on our side."""
+    report = yield
+    running = getattr(item, "funcargs", {}).get("vllm_server")
+    if report.failed and running is not None:
+        report.sections.append(("vLLM server", running.report()))
+    return report
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `@pytest.mark.gpu` tests without CUDA; torch is imported only if such tests exist."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]

@@ -13,6 +13,7 @@ reuse whatever it keeps there. A missing .venv-vllm fails the tests that need it
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,24 @@ class RunningVllm:
 
     def stop(self) -> None:
         self.server.stop()
+
+    def report(self, lines: int = 60) -> str:
+        """What a failed test attaches: the state of vLLM's processes (its session: the API
+        server, the engine core, the worker) and the end of its log."""
+        process = self.server.process
+        states = ""
+        if process is not None:
+            ps = subprocess.run(
+                ["ps", "-s", str(process.pid), "-o", "pid,stat,pcpu,rss,etime,time,comm"],
+                capture_output=True,
+                text=True,
+            )
+            states = ps.stdout or ps.stderr
+        exited = self.server.exited()
+        head = "running" if exited is None else f"exited with {exited}"
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        tail = log.splitlines()[-lines:]
+        return f"vLLM {head}\n{states}\n--- {self.log_path} (last {lines} lines)\n" + "\n".join(tail)
 
 
 def worker_settings(model_cache: Path) -> Settings:
