@@ -3,6 +3,8 @@
 ``tiny_model`` (session, parametrized) yields a :class:`TinyModel` for each of
 ``TINY_CONFIGS``: Llama with GQA, Llama 3 with "llama3" rope scaling, Qwen2 (q/k/v biases)
 and Mistral. The HF model itself is kept as the correctness reference.
+
+``lib`` (module) is the C kernels (workers/engine/csrc) built for this machine.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from workers.engine import cpu_kernels
 
 _COMMON = dict(
     vocab_size=256,
@@ -90,6 +90,8 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def lib() -> object:
     """The C kernels (workers/engine/csrc), built for this machine. A failed build fails the
     tests that use it: every supported host has a C compiler (make run needs one for the fast path)."""
+    from workers.engine import cpu_kernels  # here: a broken engine module fails its tests, not collection
+
     lib = cpu_kernels.load()
     assert lib is not None, "the CPU kernels did not build"
     return lib
