@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -29,12 +30,17 @@ def sdk(env: Env, key: str | None = None) -> openai.AsyncOpenAI:
 
 
 async def ledger(env: Env, n: int) -> list[UsageEvent]:
-    for _ in range(200):
+    # A deadline, not a count of polls: on a loaded 2-core machine the consumer's batch can
+    # take seconds to land (one full-suite run saw 200 polls pass first).
+    deadline = time.monotonic() + 30
+    while True:
         async with env.app.state.sessionmaker() as s:
             rows = list((await s.execute(select(UsageEvent).order_by(UsageEvent.id))).scalars())
-        if len(rows) >= n:
-            return rows
+        if len(rows) >= n or time.monotonic() > deadline:
+            break
         await asyncio.sleep(0.02)
+    if len(rows) >= n:
+        return rows
     raise AssertionError(f"ledger has {len(rows)} rows, wanted {n}")
 
 
