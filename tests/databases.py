@@ -108,7 +108,7 @@ async def _postgres(url: str, parsed: URL) -> None:
         if template is None:
             template = f"tm_head_{secrets.token_hex(6)}"
             await conn.execute(f'CREATE DATABASE "{template}"')
-            atexit.register(_drop, server, template)
+            atexit.register(_drop_at_exit, server, template)
             await asyncio.to_thread(migrations.upgrade, parsed.set(database=template).render_as_string(False))
             _templates[server] = template
         await conn.execute(f'DROP DATABASE "{name}"')
@@ -117,16 +117,8 @@ async def _postgres(url: str, parsed: URL) -> None:
         await conn.close()
 
 
-def _drop(server: str, template: str) -> None:
-    """At exit: a throwaway cluster is gone by then (nothing to do); a configured one keeps
-    nothing of this run."""
-
-    async def drop() -> None:
-        conn = await asyncpg.connect(server, timeout=5)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{template}"')
-        finally:
-            await conn.close()
-
+def _drop_at_exit(server: str, template: str) -> None:
+    """A throwaway cluster is gone by then (nothing to do); a configured one keeps nothing
+    of this run."""
     with contextlib.suppress(Exception):
-        asyncio.run(drop())
+        asyncio.run(asyncio.wait_for(drop(server, template), 5))

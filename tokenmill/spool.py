@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 
 from tokenmill.bus import BusError, Event, Publisher, encode
 from tokenmill.protocol import USAGE
-from tokenmill.tasks import Background
+from tokenmill.tasks import Background, cancels, honour_cancel
 
 log = logging.getLogger(__name__)
 
@@ -348,16 +348,13 @@ class SpoolingPublisher(Background):
         # event did arrive after all, the replay delivers it again, which the ledger absorbs.
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops an outside cancellation
         # that arrives as the awaited call completes.
-        task = asyncio.current_task()
-        before = task.cancelling() if task is not None else 0
+        before = cancels()
         async with asyncio.timeout(self.publish_timeout):
             entry_id = await self.inner.publish(stream, msgspec.Raw(payload))
-        if task is not None and task.cancelling() > before:
-            # A cancellation was requested but swallowed on the way: redis-py (8.1) sends each
-            # command inside wait_for, and with Python 3.11 that loses most cancels that land
-            # during the send. Honour it, or stop() waits forever on a replay loop that never
-            # saw it (and the bounded final replay would not be bounded).
-            raise asyncio.CancelledError
+        # redis-py (8.1) sends each command inside wait_for, which on Python 3.11 loses most
+        # cancels that land during the send: without this, stop() waits forever on a replay
+        # loop that never saw its cancel (and the bounded final replay would not be bounded).
+        honour_cancel(before)
         return entry_id
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:

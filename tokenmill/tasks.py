@@ -17,17 +17,17 @@ log = logging.getLogger("tokenmill.tasks")
 _TAIL_COUNT = 100
 
 
-def _cancels() -> int:
+def cancels() -> int:
     """Cancellations requested of the running task and not yet taken back."""
     task = asyncio.current_task()
     return task.cancelling() if task is not None else 0
 
 
-def _honour_cancel(before: int) -> None:
+def honour_cancel(before: int) -> None:
     """Raise a cancellation that was requested but swallowed on the way (redis-py 8.x on
     Python 3.11 loses some that land as a command completes): a loop asked to stop stops at
     its next step instead of reading on for ever."""
-    if _cancels() > before:
+    if cancels() > before:
         raise asyncio.CancelledError
 
 
@@ -76,9 +76,9 @@ async def tail(
     before monotonic time `t` has been applied (what judging silence on evidence needs).
     """
     after: str | None = None
-    before = _cancels()
+    before = cancels()
     while True:
-        _honour_cancel(before)
+        honour_cancel(before)
         try:
             if after is None:
                 after = await bus.last_id(stream)
@@ -140,9 +140,9 @@ class GroupConsumer(Background):
             await self.bus.ack(self.stream, self.group, *[i for i, _ in entries])
 
     async def run(self) -> None:
-        before = _cancels()
+        before = cancels()
         while True:
-            _honour_cancel(before)
+            honour_cancel(before)
             try:
                 await self._consume(block=1.0)
             except asyncio.CancelledError:
