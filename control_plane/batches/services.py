@@ -30,6 +30,7 @@ from control_plane.batches.lines import EXPIRED_MESSAGE, Checked, check_line, re
 from control_plane.batches.models import Batch, BatchLine
 from control_plane.files.models import StoredFile
 from control_plane.files.services import BATCH, BATCH_OUTPUT, FileService, file_service
+from control_plane.orgs.models import Organization
 from control_plane.policy import Principal
 from tokenmill.db import utcnow
 from tokenmill.errors import APIError
@@ -288,6 +289,14 @@ class BatchService:
         queued = sum(c.tokens for c in checked)
         now = utcnow()
         async with self.sessionmaker() as session, session.begin():
+            if self.queue_tokens:
+                # Several runners can validate one organisation's batches at once, and each
+                # counts what the others hold: they take turns on the organisation's row, or
+                # two could each count before the other's tokens land and both pass the limit.
+                # (SQLite has no row locks: `tokenmill serve` runs one runner there.)
+                await session.execute(
+                    select(Organization.id).where(Organization.id == batch.org_id).with_for_update()
+                )
             row = await session.get(Batch, batch.id, with_for_update=True)
             if row is None or row.status != "validating":
                 return row or batch

@@ -27,6 +27,8 @@ from control_plane.batches.services import BatchService
 from control_plane.files.models import StoredFile
 from control_plane.files.services import BATCH_OUTPUT, FileService
 from control_plane.orgs.models import Organization
+from tests import databases
+from tokenmill.db import make_engine, make_sessionmaker
 from tokenmill.errors import APIError
 from tokenmill.openai_batches import BatchCreateRequest
 from tokenmill.storage import LocalStorage
@@ -392,6 +394,29 @@ async def test_the_queue_limit_fails_a_batch_while_others_hold_the_queue(
     await batches.finalize(theirs, "cancelled")
     alone = await _ready(batches, files, b, jsonl(line("p"), line("q")))
     assert alone.status == "failed" and [e["code"] for e in alone.errors or []] == ["token_limit_exceeded"]
+
+
+async def test_batches_validated_at_once_never_hold_more_than_the_queue_limit(
+    pg_url: str, root: Path
+) -> None:
+    """Runners in several processes validate an organisation's batches at the same time: each
+    fits alone, only one fits beside the others (PostgreSQL: SQLite has no row locks, and
+    `tokenmill serve` runs one runner there)."""
+    await asyncio.to_thread(databases.migrate, pg_url)
+    engine = make_engine(pg_url)
+    try:
+        db = make_sessionmaker(engine)
+        a, _ = await _orgs(db)
+        tokens = check_line(CHAT, 1, line("x")).tokens
+        files, batches = _services(db, root, queue_tokens=tokens * 3 // 2)
+        made = [await _create(batches, files, a, jsonl(line("x"))) for _ in range(4)]
+        done = await asyncio.gather(*(batches.validate(row) for row in made))
+        assert sorted(row.status for row in done) == ["failed", "failed", "failed", "in_progress"]
+        async with db() as s:
+            held = await s.scalar(select(func.sum(Batch.queued_tokens)).where(Batch.org_id == a))
+        assert held == tokens
+    finally:
+        await engine.dispose()
 
 
 # --- runners: leases, results, files ---------------------------------------------------------
