@@ -69,11 +69,17 @@ async def create_organization(request: Request[Any, Any, Any], uow: NamedDepende
 
 @get("/orgs/{org_id:str}")
 async def organization(
-    request: Request[Any, Any, Any], uow: NamedDependency[UnitOfWork], org_id: FromPath[str]
+    request: Request[Any, Any, Any],
+    uow: NamedDependency[UnitOfWork],
+    org_id: FromPath[str],
+    q: FromQuery[str | None] = None,
+    after: FromQuery[str | None] = None,
+    before: FromQuery[str | None] = None,
 ) -> Template:
     admin = admin_of(request)
     org = await uow.orgs.visible(org_id, admin)
-    users = await uow.users.list_for_org(org.id)
+    query = list_query(q, after, before)
+    pager = Pager(f"/orgs/{org.id}", query, await uow.users.page_for_org(org.id, query), "users")
     plans = await uow.plans.list_plans()
     roles = grantable_roles(admin)
     return page(
@@ -82,7 +88,7 @@ async def organization(
         title=org.name,
         current="orgs",
         org=org,
-        users=users,
+        pager=pager,
         plans=plans,
         plan=next((p for p in plans if p.id == org.plan_id), None),
         roles=roles,
@@ -201,7 +207,7 @@ async def keys(
     found = await uow.keys.page_for_org(org_id, query)
     pager = Pager("/keys", query, found, "keys", {"org": org_id, "range": range or ""})
     rows = [(k, _key_status(k, now)) for k in found.rows]
-    users = {u.id: u.email for u in await uow.users.list_for_org(org_id)}
+    users = await uow.users.emails(org_id, (k.user_id for k in found.rows if k.user_id))
     # Requests, tokens and spend of the listed keys over a preset range, in one query.
     activity_window = window(range if range in PRESETS else "30d")
     activity = await key_activity(uow.session, activity_window, org_id, [k.id for k, _ in rows])

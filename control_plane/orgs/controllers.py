@@ -110,16 +110,20 @@ class UserController(Controller):
     path = "/"
     tags = ["Admin: users"]
 
-    @get("/organizations/{org_id:str}/users")
+    @get("/organizations/{org_id:str}/users", dependencies=LIST_PAGE)
     async def list_users(
         self,
+        request: Request[Any, Any, Any],
         org_id: FromPath[str],
         admin: NamedDependency[Principal],
         orgs: NamedDependency[OrganizationService],
         users: NamedDependency[UserService],
-    ) -> list[UserOut]:
+        page: NamedDependency[PageQuery],
+    ) -> Response[list[UserOut]]:
+        """Oldest first; `q` searches emails. With `limit`, one page (`Link` names the next)."""
         org = await orgs.visible(org_id, admin)
-        return [out(u, UserOut) for u in await users.list_for_org(org.id)]
+        found = await users.page_for_org(org.id, page)
+        return Response([out(u, UserOut) for u in found.rows], headers=link_header(str(request.url), found))
 
     @post("/organizations/{org_id:str}/users")
     async def create_user(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from advanced_alchemy.repository import SQLAlchemyAsyncRepository
@@ -224,8 +224,26 @@ class UserService(SQLAlchemyAsyncRepositoryService[User]):
         )
         return user
 
-    async def list_for_org(self, org_id: str) -> list[User]:
-        return list(await self.get_many(User.org_id == org_id, order_by=[(User.created_at, False)]))
+    async def page_for_org(self, org_id: str, query: PageQuery) -> Page[User]:
+        """A page of the organisation's users, oldest first, searched by email. `org_id` is one
+        the caller may see."""
+        return await keyset_page(
+            self.repository.session,
+            select(User).where(User.org_id == org_id),
+            query,
+            by=[(User.created_at, False), (User.id, False)],
+            search=lambda text: contains(User.email, text),
+        )
+
+    async def emails(self, org_id: str, user_ids: Iterable[str]) -> dict[str, str]:
+        """The emails of those of `user_ids` in the organisation, by id."""
+        ids = set(user_ids)
+        if not ids:
+            return {}
+        rows = await self.repository.session.execute(
+            select(User.id, User.email).where(User.org_id == org_id, User.id.in_(ids))
+        )
+        return {user_id: email for user_id, email in rows.tuples()}
 
     async def visible(self, user_id: str, actor: Principal) -> User:
         user = await self.get_one_or_none(User.id == user_id)

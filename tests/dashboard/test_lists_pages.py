@@ -1,8 +1,9 @@
-"""The dashboard's lists with their search box and pager: organisations, API keys, adapters,
-deployments and invoices page by 50 with links that keep the organisation and the search,
-say when a search finds nothing, and (on SQLite and PostgreSQL) an organisation admin's
-pages and searches never show another organisation's rows; the admin API's lists take the
-same `q`, `limit`, `after` and `before` and name the next page in a `Link` header."""
+"""The dashboard's lists with their search box and pager: organisations, an organisation's
+users, API keys, adapters, deployments and invoices page by 50 with links that keep the
+organisation and the search, say when a search finds nothing, and (on SQLite and PostgreSQL)
+an organisation admin's pages and searches never show another organisation's rows; the admin
+API's lists take the same `q`, `limit`, `after` and `before` and name the next page in a
+`Link` header."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from sqlalchemy import select
 
 from billing.models import Invoice
 from control_plane.catalog.models import Adapter, Deployment, Model
-from control_plane.orgs.models import ApiKey
+from control_plane.orgs.models import ApiKey, User
 from tests.control_plane.conftest import AdminEnv
 from tests.dashboard.conftest import Session, add_user, sign_in
 
@@ -114,6 +115,41 @@ async def test_the_keys_page_pages_by_50_keeping_organisation_and_search(env: Ad
     # a cursor from nowhere is a page that says so, not a crash
     r = await s.get(f"/keys?org={org}&after=key_missing")
     assert r.status_code == 400 and "No row 'key_missing'" in html.unescape(r.text)
+
+
+async def test_an_organisations_users_page_by_50_searched_by_email(env: AdminEnv) -> None:
+    org = await _org(env, "acme")
+    async with env.app.state.sessionmaker() as session, session.begin():
+        users = [
+            User(org_id=org, email=f"user{i:03d}@acme.test", created_at=T0 + timedelta(seconds=i))
+            for i in range(60)
+        ]
+        session.add_all(users)
+        await session.flush()
+        session.add(ApiKey(org_id=org, user_id=users[-1].id, name="owned", prefix="tm-owned0001", hash="h"))
+    s = await _root(env)
+    r = await s.get(f"/orgs/{org}")
+    assert r.status_code == 200
+    first = re.findall(r"user(\d{3})@acme\.test</th>", r.text)
+    assert first == [f"{i:03d}" for i in range(50)]  # oldest first
+    nxt = _link(r.text, "next")
+    assert nxt is not None and nxt.startswith(f"/orgs/{org}?after=")
+    r = await s.get(nxt)
+    assert re.findall(r"user(\d{3})@acme\.test</th>", r.text) == [f"{i:03d}" for i in range(50, 60)]
+    assert _link(r.text, "next") is None and _link(r.text, "first") == f"/orgs/{org}"
+    r = await s.get(f"/orgs/{org}?q=USER05")
+    assert re.findall(r"user(\d{3})@acme\.test</th>", r.text) == [f"05{i}" for i in range(10)]
+    r = await s.get(f"/orgs/{org}?q=nobody")
+    assert _ids(r.text, "user") == [] and _empty(r.text) == "No users match 'nobody'."
+    # the keys page names each shown key's owner
+    r = await s.get(f"/keys?org={org}")
+    assert "user059@acme.test" in r.text
+    # the admin API pages the same list
+    r = await env.client.get(f"{API}/organizations/{org}/users", headers=env.root, params={"limit": 20})
+    assert [u["email"] for u in r.json()] == [f"user{i:03d}@acme.test" for i in range(20)]
+    assert 'rel="next"' in r.headers["link"]
+    r = await env.client.get(f"{API}/organizations/{org}/users", headers=env.root, params={"q": "user059"})
+    assert [u["email"] for u in r.json()] == ["user059@acme.test"] and "link" not in r.headers
 
 
 async def test_every_list_page_searches(env: AdminEnv) -> None:
