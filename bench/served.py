@@ -219,11 +219,14 @@ class Server:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its workers too are stopped with the group
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
+            if self.log.closed:  # a process of the group that outlived stop()'s wait
+                return
             self.log.write(raw)
             self.log.flush()
             self.lines.append(raw.decode(errors="replace").rstrip("\n"))
@@ -257,6 +260,8 @@ class Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # The last lines are still on their way through the pipe: let them land before closing.
+        self._pump_thread.join(10)
         self.log.close()
 
 
