@@ -289,14 +289,6 @@ class BatchService:
         queued = sum(c.tokens for c in checked)
         now = utcnow()
         async with self.sessionmaker() as session, session.begin():
-            if self.queue_tokens:
-                # Several runners can validate one organisation's batches at once, and each
-                # counts what the others hold: they take turns on the organisation's row, or
-                # two could each count before the other's tokens land and both pass the limit.
-                # (SQLite has no row locks: `tokenmill serve` runs one runner there.)
-                await session.execute(
-                    select(Organization.id).where(Organization.id == batch.org_id).with_for_update()
-                )
             row = await session.get(Batch, batch.id, with_for_update=True)
             if row is None or row.status != "validating":
                 return row or batch
@@ -318,24 +310,11 @@ class BatchService:
 
     @staticmethod
     def _line_row(batch_id: str, c: Checked) -> dict[str, Any]:
+        row: dict[str, Any] = {"batch_id": batch_id, "line": c.line, "custom_id": c.custom_id}
         if c.code is None:
-            return {
-                "batch_id": batch_id,
-                "line": c.line,
-                "custom_id": c.custom_id,
-                "state": "pending",
-                "body": c.body,
-                "result": None,
-            }
+            return row | {"state": "pending", "body": c.body, "result": None}
         result = result_line(batch_id, c.line, c.custom_id, code=c.code, message=c.message)
-        return {
-            "batch_id": batch_id,
-            "line": c.line,
-            "custom_id": c.custom_id,
-            "state": "failed",
-            "body": None,
-            "result": result,
-        }
+        return row | {"state": "failed", "body": None, "result": result}
 
     def _file_errors(self, source: StoredFile | None, checked: Sequence[Checked]) -> list[dict[str, Any]]:
         """Why the file as a whole cannot run: missing, empty, or duplicate `custom_id`s."""
@@ -366,6 +345,10 @@ class BatchService:
         return errors[:MAX_ERRORS]
 
     async def _queue_errors(self, session: AsyncSession, row: Batch, queued: int) -> list[dict[str, Any]]:
+        # Runners validating one organisation's batches at once take turns on its row, or each
+        # could count before the other's tokens land and both pass the limit. (SQLite has no
+        # row locks: `tokenmill serve` runs one runner there.)
+        await session.execute(select(Organization.id).where(Organization.id == row.org_id).with_for_update())
         held = await session.scalar(
             select(func.coalesce(func.sum(Batch.queued_tokens), 0)).where(
                 Batch.org_id == row.org_id, Batch.status.in_(ACTIVE), Batch.id != row.id

@@ -243,7 +243,7 @@ class UserService(SQLAlchemyAsyncRepositoryService[User]):
         rows = await self.repository.session.execute(
             select(User.id, User.email).where(User.org_id == org_id, User.id.in_(ids))
         )
-        return {user_id: email for user_id, email in rows.tuples()}
+        return {user_id: email for user_id, email in rows}
 
     async def visible(self, user_id: str, actor: Principal) -> User:
         user = await self.get_one_or_none(User.id == user_id)
