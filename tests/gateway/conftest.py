@@ -58,6 +58,7 @@ class FakeWorker:
     received: list[GenerateRequest] = field(default_factory=list)
     url: str = ""
     streaming: int = 0  # streams open right now
+    streamed: list[int] = field(default_factory=list)  # tokens each stream has sent, in arrival order
 
     def app(self) -> Litestar:
         @post("/generate", status_code=200)
@@ -73,6 +74,8 @@ class FakeWorker:
 
             async def lines() -> AsyncIterator[bytes]:
                 self.streaming += 1
+                stream = len(self.streamed)
+                self.streamed.append(0)
                 try:
                     for i in range(n):
                         await asyncio.sleep(self.delay)
@@ -86,6 +89,7 @@ class FakeWorker:
                             top_logprobs=None if k is None else [fake_top_logprobs(i)[:k]],
                         )
                         yield msgspec.json.encode(d) + b"\n"
+                        self.streamed[stream] += 1
                 finally:
                     self.streaming -= 1
 
