@@ -222,6 +222,8 @@ class Reconciler(Background):
             if wanted is not None and not wanted.held:
                 log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
                 await self._provider(self.provider.replace(worker.deployment_id, worker.worker_id))
+            else:
+                log.warning("worker %s stopped sending heartbeats: counted as gone", worker.worker_id)
             self.table.workers.pop(worker.worker_id, None)
             # Said on its behalf (it never will, killed or cut off): every table drops it, and
             # its lifetime closes at its last heartbeat (what dedicated deployments bill).

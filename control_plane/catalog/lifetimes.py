@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import msgspec
-from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from control_plane.catalog.models import Deployment, Worker
@@ -62,15 +61,26 @@ class WorkerLifetimes(GroupConsumer):
                         await session.flush()
                     elif worker.stopped_at is None:
                         worker.last_seen_at = ts
+                    elif _superseded(worker, ts):
+                        # Declared lost, yet it speaks again (it was starved, not dead): it
+                        # held its GPUs all along, so its lifetime goes on.
+                        worker.stopped_at, worker.last_seen_at, worker.status = None, ts, "running"
                 elif isinstance(ev, WorkerDeparture):
                     # A lost worker (declared gone by the reconciler) stops at its last
                     # heartbeat: no unseen time is billed, and none that was seen is dropped.
+                    # Its own goodbye, later, overrides that guess.
                     self._seen.pop(ev.worker_id, None)
-                    await session.execute(
-                        update(Worker)
-                        .where(Worker.id == ev.worker_id, Worker.stopped_at.is_(None))
-                        .values(stopped_at=ts, last_seen_at=ts, status="lost" if ev.lost else "stopped")
-                    )
+                    worker = await session.get(Worker, ev.worker_id)
+                    if worker is not None and (
+                        worker.stopped_at is None or (not ev.lost and _superseded(worker, ts))
+                    ):
+                        worker.stopped_at, worker.last_seen_at = ts, ts
+                        worker.status = "lost" if ev.lost else "stopped"
+
+
+def _superseded(worker: Worker, ts: datetime) -> bool:
+    """Whether an event of the worker's own at `ts` shows it outlived a lost declaration."""
+    return worker.status == "lost" and worker.stopped_at is not None and worker.stopped_at < ts
 
 
 async def _known_deployment(session: AsyncSession, deployment_id: str | None) -> Deployment | None:

@@ -169,3 +169,43 @@ async def test_a_lost_worker_s_lifetime_ends_at_its_last_heartbeat(
     assert w1 is not None and w1.status == "lost"
     assert w1.stopped_at == w1.last_seen_at
     assert (w1.stopped_at - w1.started_at).total_seconds() == pytest.approx(7, abs=0.01)
+
+
+async def test_a_worker_declared_lost_that_speaks_again_is_billed_to_its_own_goodbye(
+    migrated_db: async_sessionmaker[AsyncSession],
+) -> None:
+    """Starved past the timeout (a busy host), not dead: the reconciler's guess is overridden
+    by what the worker says later, so the time it held its GPUs is billed. A lost declaration
+    never overrides a goodbye, and a replayed old event never reopens a lifetime."""
+    boot = await bootstrap(
+        migrated_db, secret_key=SECRET, model_name="m", model_source="x", model_format="hf", context_length=64
+    )
+    dep = boot.deployment.id
+    lifetimes = WorkerLifetimes(bus=None, sessionmaker=migrated_db, consumer="t")  # type: ignore[arg-type]
+    t0 = time.time()
+
+    async def row(worker_id: str) -> tuple[str, float | None]:
+        async with migrated_db() as s:
+            w = await s.get(Worker, worker_id)
+        assert w is not None
+        return w.status, None if w.stopped_at is None else (w.stopped_at - w.started_at).total_seconds()
+
+    def beat(worker_id: str, at: float) -> Heartbeat:
+        return Heartbeat(worker_id=worker_id, deployment_id=dep, address="a", model="m", ts=t0 + at)
+
+    for w in ("w1", "w2"):
+        await lifetimes.apply([WorkerAnnounce(worker_id=w, deployment_id=dep, address="a", model="m", ts=t0)])
+        await lifetimes.apply([WorkerDeparture(worker_id=w, deployment_id=dep, ts=t0 + 3, lost=True)])
+        assert await row(w) == ("lost", pytest.approx(3, abs=0.01))
+    # w1 drains, then says goodbye itself
+    await lifetimes.apply([WorkerDeparture(worker_id="w1", deployment_id=dep, ts=t0 + 20)])
+    assert await row("w1") == ("stopped", pytest.approx(20, abs=0.01))
+    await lifetimes.apply([WorkerDeparture(worker_id="w1", deployment_id=dep, ts=t0 + 30, lost=True)])
+    assert await row("w1") == ("stopped", pytest.approx(20, abs=0.01))
+    # w2 beats again: running again; an old beat (before the declaration) would not have
+    await lifetimes.apply([beat("w2", 2)])
+    assert await row("w2") == ("lost", pytest.approx(3, abs=0.01))
+    await lifetimes.apply([beat("w2", 9)])
+    assert await row("w2") == ("running", None)
+    await lifetimes.apply([WorkerDeparture(worker_id="w2", deployment_id=dep, ts=t0 + 12)])
+    assert await row("w2") == ("stopped", pytest.approx(12, abs=0.01))
