@@ -93,6 +93,10 @@ class EngineRun:
     output_tokens: int
     wall: float
     cpu: float  # CPU seconds of this process (all its threads) over the run
+    # Cores busy (CPU seconds per wall second) over the pure decode steps and over the rest:
+    # where the second core idles, so where a gain in occupancy could come from.
+    decode_cores: float
+    other_cores: float
 
 
 def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
@@ -103,11 +107,11 @@ def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
             str(i), r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
         )
     useful = 0
-    decode_tokens, decode_seconds, decode_steps = 0, 0.0, 0
+    decode_tokens, decode_seconds, decode_steps, decode_cpu = 0, 0.0, 0, 0.0
     first: dict[str, float] = {}
     while engine.has_unfinished():
         running_before = engine.scheduler.num_running
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = engine.step()
         now = time.perf_counter()
         useful += sum(len(o.token_ids) for o in outs)
@@ -118,7 +122,9 @@ def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
             decode_tokens += len(outs)
             decode_seconds += now - t
             decode_steps += 1
+            decode_cpu += time.process_time() - c
     total = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     return EngineRun(
         tokens_per_s=useful / total,
         decode_tokens_per_s=decode_tokens / decode_seconds if decode_seconds else 0.0,
@@ -126,7 +132,9 @@ def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
         ttfts=sorted(first.values()),
         output_tokens=useful,
         wall=total,
-        cpu=time.process_time() - cpu,
+        cpu=cpu,
+        decode_cores=decode_cpu / decode_seconds if decode_seconds else 0.0,
+        other_cores=(cpu - decode_cpu) / (total - decode_seconds) if total > decode_seconds else 0.0,
     )
 
 
@@ -247,6 +255,8 @@ def main() -> None:
         ("wall (s)", run.wall),
         ("engine decode-only steps (tok/s)", run.decode_tokens_per_s),
         ("mean batch of those steps", run.decode_batch),
+        ("cores busy in those steps", run.decode_cores),
+        ("cores busy in the other steps (prefill, mixed)", run.other_cores),
         (f"engine decode at batch {batch} (tok/s)", decode_tps),
         (f"decode roofline at batch {batch} (tok/s)", roofline),
         ("decode / roofline", decode_tps / roofline),
