@@ -219,11 +219,14 @@ class Reconciler(Background):
             self._forget(dep_id)
         for worker in self.table.silent():
             wanted = desired.get(worker.deployment_id) if worker.deployment_id else None
-            if wanted is not None and not wanted.held:
-                log.warning("worker %s stopped sending heartbeats: replacing it", worker.worker_id)
+            replace = wanted is not None and not wanted.held
+            log.warning(
+                "worker %s stopped sending heartbeats: %s",
+                worker.worker_id,
+                "replacing it" if replace else "counted as gone",
+            )
+            if replace:
                 await self._provider(self.provider.replace(worker.deployment_id, worker.worker_id))
-            else:
-                log.warning("worker %s stopped sending heartbeats: counted as gone", worker.worker_id)
             self.table.workers.pop(worker.worker_id, None)
             # Said on its behalf (it never will, killed or cut off): every table drops it, and
             # its lifetime closes at its last heartbeat (what dedicated deployments bill).

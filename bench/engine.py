@@ -101,7 +101,7 @@ class EngineRun:
 
 def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
     """Every request arriving at once; throughput, decode-only throughput and TTFTs."""
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, r in enumerate(reqs):
         engine.add_request(
             str(i), r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -124,7 +124,7 @@ def run_engine(engine: LLMEngine, reqs: list[Request]) -> EngineRun:
             decode_steps += 1
             decode_cpu += time.process_time() - c
     total = time.perf_counter() - start
-    cpu = time.process_time() - cpu
+    cpu = time.process_time() - cpu_start
     return EngineRun(
         tokens_per_s=useful / total,
         decode_tokens_per_s=decode_tokens / decode_seconds if decode_seconds else 0.0,

@@ -572,16 +572,19 @@ def test_sigterm_under_load_then_gpu_hours_are_billed(journey: Journey) -> None:
         assert s.times[0] < signalled < s.times[-1]
         assert s.finish == "length" and s.usage is not None and s.usage.completion_tokens == max_tokens
 
-    def stopped() -> tuple[Any, ...] | None:
+    def row() -> tuple[Any, ...] | None:
         rows = server.query("SELECT status, started_at, stopped_at FROM workers WHERE id = ?", worker_id)
-        return rows[0] if rows and rows[0][0] == "stopped" else None
+        return rows[0] if rows else None
+
+    def stopped() -> tuple[Any, ...] | None:
+        found = row()
+        return found if found and found[0] == "stopped" else None
 
     try:
         _, started_at, stopped_at = wait_until("the worker's departure", stopped, timeout=60)
     except AssertionError as exc:
         # "lost" here: the reconciler gave up on it and its own goodbye never landed
-        row = server.query("SELECT status, started_at, stopped_at FROM workers WHERE id = ?", worker_id)
-        raise AssertionError(f"{exc}; its row: {row}, alive: {Path(f'/proc/{pid}').exists()}") from None
+        raise AssertionError(f"{exc}; its row: {row()}, alive: {Path(f'/proc/{pid}').exists()}") from None
     wait_until("the worker out of the fleet", lambda: True if fleet_size() == 1 else None, timeout=30)
     wait_until(
         "the worker process to exit", lambda: None if Path(f"/proc/{pid}").exists() else True, timeout=30
