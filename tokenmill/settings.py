@@ -135,6 +135,13 @@ class Settings(BaseSettings):
         description="How much of a CPU worker's KV cache a background thread maps in at start, at "
         "the lowest priority, so that requests do not pay for first touching it; 0 = none.",
     )
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto",
+        description="What a worker's KV cache stores: `auto` (the model's dtype, fp32 on the CPU) "
+        "or a half-precision type: `float16` holds twice the tokens in the same memory and halves "
+        "the cache reads of every decode step (the CPU kernels read it), at the cost of rounding "
+        "every key and value.",
+    )
     prefix_caching: bool = Field(default=True, description="Whether workers reuse cached prompt prefixes.")
     scheduling: Literal["fair", "fcfs"] = Field(
         default="fair",

@@ -91,8 +91,11 @@ class _Identity:
 
 def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
     """The engine a worker runs, from its settings (bench/engine.py builds the same one)."""
+    import torch
+
     from workers.engine import EngineConfig
 
+    kv_dtype = None if settings.kv_cache_dtype == "auto" else getattr(torch, settings.kv_cache_dtype)
     return EngineConfig(
         model=str(model_dir),
         block_size=settings.block_size,
@@ -101,6 +104,7 @@ def engine_config(settings: Settings, model_dir: Path) -> EngineConfig:
         # Unset: the engine's default share of the host's memory (workers/engine/kv_cache.py).
         kv_cache_gib=settings.kv_cache_gib,
         kv_prefault_gib=settings.kv_prefault_gib,
+        kv_cache_dtype=kv_dtype,
         enable_prefix_caching=settings.prefix_caching,
         scheduling=settings.scheduling,
         num_speculative_tokens=settings.num_speculative_tokens,

@@ -42,17 +42,19 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     padding_seq: bool = False,
     head_dim: int = HEAD_DIM,
+    kv_dtype: torch.dtype | None = None,
 ) -> Case:
     """A batch whose cached context is already in the cache (random values at each sequence's
-    slots) and whose new tokens' k/v are still to be stored by the backend."""
+    slots) and whose new tokens' k/v are still to be stored by the backend; the cache holds
+    `kv_dtype` (default `dtype`), and the contexts are what it holds after the store."""
     if padding_seq:  # like a CUDA-graph pad: tokens with slot -1, never stored
         shapes = [*shapes, (0, 3)]
     need = sum(-(-(c + n) // block_size) for c, n in shapes)
     num_blocks = need + 5
     ids = list(range(num_blocks))
     rng.shuffle(ids)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype or dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype or dtype)
     width = max(-(-(c + n) // block_size) for c, n in shapes)
     tables, slots, contexts, qs, ks, vs, real = [], [], [], [], [], [], []
     for i, (cached, new) in enumerate(shapes):
@@ -72,7 +74,7 @@ def make_case(
         old = seq_slots[:cached]
         ck = k_cache.view(-1, num_kv_heads, head_dim)[old] if cached else k[:0]
         cv = v_cache.view(-1, num_kv_heads, head_dim)[old] if cached else v[:0]
-        contexts.append((torch.cat([ck, k]), torch.cat([cv, v])))
+        contexts.append((torch.cat([ck, k.to(ck.dtype)]), torch.cat([cv, v.to(cv.dtype)])))
         qs.append(q)
         ks.append(k)
         vs.append(v)
@@ -121,7 +123,7 @@ def check(case: Case, backend: object, atol: float) -> None:
     keep = slots >= 0
     for cache, before, new in ((case.k_cache, k_before, case.k), (case.v_cache, v_before, case.v)):
         flat, flat_before = cache.view(-1, *cache.shape[2:]), before.view(-1, *before.shape[2:])
-        assert torch.equal(flat[slots[keep]], new[keep])
+        assert torch.equal(flat[slots[keep]], new[keep].to(cache.dtype))
         untouched = torch.ones(flat.shape[0], dtype=torch.bool)
         untouched[slots[keep]] = False
         assert torch.equal(flat[untouched], flat_before[untouched])
@@ -247,6 +249,33 @@ def test_kernel_equals_plain_path(kernel: CpuAttention) -> None:
     check(case, kernel, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_kernel_gives_a_row_the_same_bits_alone_as_in_a_batch(
+    kernel: CpuAttention, lib: object, kv_dtype: torch.dtype, head_dim: int
+) -> None:
+    """A batch of 64 decodes gives the C kernel rows enough for every thread, so each work item
+    is a row with all its kv heads; a row alone is split by kv head. Each kv head's arithmetic is
+    the same either way: every row's output is bit for bit the one it gets alone."""
+    from workers.engine import cpu_kernels
+
+    rng = random.Random(head_dim)
+    shapes = [(rng.randint(0, 700), 1) for _ in range(64)]
+    case = make_case(rng, shapes, 9, 3, 16, head_dim=head_dim, kv_dtype=kv_dtype)
+    kernel.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, 0.125)  # stores k, v
+    meta = case.meta
+    row_seq = torch.arange(len(shapes), dtype=torch.int32)
+    args = (case.k_cache, case.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    batch = torch.full_like(case.q, float("nan"))
+    cpu_kernels.paged_attention(lib, case.q, *args, None, row_seq, 0.125, batch)  # type: ignore[arg-type]
+    alone = torch.full_like(case.q, float("nan"))
+    for r in range(len(shapes)):
+        one = torch.tensor([r], dtype=torch.int32)
+        cpu_kernels.paged_attention(lib, case.q, *args, one, one, 0.125, alone)  # type: ignore[arg-type]
+    assert torch.equal(batch, alone)
+    check(case, kernel, atol=1e-5 if kv_dtype == torch.float32 else 5e-3)
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 40, 12])
 def test_kernel_paths_of_each_head_dim_match_the_dense_reference(
@@ -261,6 +290,38 @@ def test_kernel_paths_of_each_head_dim_match_the_dense_reference(
     shapes = [(c, 1) for c in (0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 300)]
     shapes += [(rng.randint(0, 500), 2)]
     check(make_case(rng, shapes, 9, 3, block_size, head_dim=head_dim), kernel, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 40])
+def test_kernel_over_an_fp16_cache_equals_the_plain_path(
+    kernel: CpuAttention, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 queries over an fp16 cache (kv_cache_dtype float16): the kernel's fp16 build and its
+    fp16 store against TorchAttention on the same cache, which widens what it reads, and both
+    against the dense reference over the rounded context. Head dims 32 and 64 take the vector
+    paths (AVX2: 8 keys at a time; the values in registers at 64), 40 the scalar one; decodes,
+    verified drafts and a prefill chunk after cached context in one step."""
+    rng = random.Random(head_dim)
+    shapes = [(rng.randint(0, 900), 1) for _ in range(40)] + [(120, 3), (0, 9), (64, 20)]
+    case = make_case(rng, shapes, 9, 3, 16, head_dim=head_dim, kv_dtype=torch.float16)
+    assert case.k_cache.dtype == torch.float16
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    scale = head_dim**-0.5
+    from workers.engine import cpu_kernels
+
+    read: list[torch.dtype] = []  # the caches the C kernel was handed (not the PyTorch fallback)
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(
+        cpu_kernels, "paged_attention", lambda lib, q, kc, *a: (read.append(kc.dtype), real(lib, q, kc, *a))
+    )
+    fast = kernel.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, scale)
+    assert read == [torch.float16]
+    slow = TorchAttention().forward(case.q, case.k, case.v, k_cache, v_cache, case.meta, scale)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+    assert torch.equal(case.k_cache, k_cache) and torch.equal(case.v_cache, v_cache)  # same rounding
+    # A whole prompt attends its own fp32 k/v, the rest the rounded cache: within fp16's rounding.
+    check(make_case(rng, shapes, 9, 3, 16, head_dim=head_dim, kv_dtype=torch.float16), kernel, atol=5e-3)
 
 
 def test_kernel_declines_what_it_does_not_cover(kernel: CpuAttention) -> None:

@@ -84,6 +84,23 @@ def test_triton_backend_gives_the_same_tokens(tiny: Path) -> None:
     assert _tokens(triton, prompts, params) == torch_tokens
 
 
+@pytest.mark.parametrize("tiny_model", ["llama-gqa"], indirect=True)
+def test_fp16_kv_cache_gives_the_same_tokens_on_every_backend(tiny: Path) -> None:
+    """kv_cache_dtype float16 under an fp32 model: the C kernel, PyTorch and the Triton kernels
+    (interpreted here) read the same rounded cache in fp32 arithmetic, so they agree."""
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    half = {"kv_cache_dtype": torch.float16, "max_num_batched_tokens": 16}
+    cpu = LLM(str(tiny), **half)
+    assert type(cpu.engine.model.model.layers[0].self_attn.backend).__name__ == "CpuAttention"
+    assert cpu.engine.runner.kv_caches[0][0].dtype == torch.float16
+    tokens = _tokens(cpu, prompts, params)
+    assert _tokens(LLM(str(tiny), attention_backend="torch", **half), prompts, params) == tokens
+    assert _tokens(LLM(str(tiny), attention_backend="triton", **half), prompts, params) == tokens
+    with pytest.raises(ValueError, match=r"kv_cache_dtype torch\.int8 is not one of"):
+        LLM(str(tiny), kv_cache_dtype=torch.int8)
+
+
 # --- the real model ---------------------------------------------------------------------------
 
 
@@ -158,6 +175,20 @@ def test_logprobs_match_hf(smol: LLM) -> None:
         assert [t for t, _ in top] == hf_top.indices.tolist()
         for (_, lp), ref_lp in zip(top, hf_top.values.tolist(), strict=True):
             assert lp == pytest.approx(ref_lp, abs=1e-3)
+
+
+def test_fp16_kv_cache_holds_twice_the_tokens_and_stays_close_to_fp32(smol: LLM) -> None:
+    """The same memory holds twice the blocks; greedy tokens and logprobs stay those of the fp32
+    cache within fp16's rounding of the keys and values."""
+    half = LLM(smol.engine.config.model, kv_cache_gib=0.25, kv_cache_dtype=torch.float16)
+    assert half.engine.block_manager.num_blocks == 2 * smol.engine.block_manager.num_blocks
+    prompt = _chat(smol, "Write one sentence about windmills.")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    want = smol.generate([prompt], params)[0].outputs[0]
+    got = half.generate([prompt], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=2e-2)
+    assert got.logprobs != want.logprobs  # the rounding is real: not the fp32 cache again
 
 
 @pytest.mark.slow

@@ -78,3 +78,19 @@ def test_cpu_pool_is_zeroed_and_writable() -> None:
         caches[1][0][2, 3, 0, 5] = 1.5  # layers and k/v do not overlap
         assert caches[1][0].sum() == 1.5 and not caches[0][0].any() and not caches[1][1].any()
         assert not caches[2][0].any()
+
+
+def test_a_worker_stores_the_kv_dtype_its_settings_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pydantic import ValidationError
+
+    from tokenmill.settings import Settings
+    from workers.main import engine_config
+
+    assert engine_config(Settings(), tmp_path).kv_cache_dtype is None  # the model's
+    monkeypatch.setenv("TOKENMILL_KV_CACHE_DTYPE", "float16")
+    assert engine_config(Settings(), tmp_path).kv_cache_dtype == torch.float16
+    monkeypatch.setenv("TOKENMILL_KV_CACHE_DTYPE", "fp8")
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        Settings()

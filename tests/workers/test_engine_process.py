@@ -99,8 +99,13 @@ async def test_same_outputs_as_on_a_thread(pair: tuple[EngineGenerator, EngineGe
     # Both engines computed the shared prefix once and served it from the cache after.
     assert process.prefix_cache_hits == thread.prefix_cache_hits > 0
     assert process.prefix_cache_queries == thread.prefix_cache_queries
-    stored = [op for op in process.drain_kv_events() if op.op == "stored"]
-    assert stored == [op for op in thread.drain_kv_events() if op.op == "stored"]
+
+    # The same blocks stored; in what order the concurrent eleven's blocks were stored follows
+    # the order in which they reached the engine, which is timing (seen to differ once in a run).
+    def stored(gen: EngineGenerator) -> list[tuple[str, ...]]:
+        return sorted(tuple(op.hashes) for op in gen.drain_kv_events() if op.op == "stored")
+
+    assert stored(process) == stored(thread) != []
     assert process.running == 0 and process.waiting == 0
     assert process.kv_usage == thread.kv_usage
 
@@ -171,19 +176,27 @@ async def test_engine_ignores_signals_meant_for_the_worker(tiny: Path) -> None:
     assert not gen._proc._proc.is_alive()
 
 
-def test_child_env_is_passive_openmp_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine process starts with OpenMP threads that sleep between regions (spinning ones
-    took the cores the step's own thread needed); a user's own OpenMP wait setting is kept."""
-    from workers.engine.process import _OMP_ENV, _child_env
+def test_engine_process_spins_openmp_briefly_unless_the_user_chose(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process starts with OpenMP threads that spin a short while between regions,
+    then sleep (libgomp's long default spin took the cores the step's own thread needed; sleeping
+    at once paid a wake-up per matmul); a user's own OpenMP wait setting is kept."""
+    from workers.engine.omp import spin_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    with _child_env(_OMP_ENV):
-        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert "OMP_WAIT_POLICY" not in os.environ  # the server's own environment is left as it was
+    gen = EngineGenerator(_config(tiny), process=True)
+    try:  # what the child's libgomp read as it started
+        environ = Path(f"/proc/{gen._proc._proc.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        gen.close()
+    assert b"GOMP_SPINCOUNT=30000" in environ and not any(v.startswith(b"OMP_WAIT_POLICY=") for v in environ)
+    assert "GOMP_SPINCOUNT" not in os.environ  # the server's own environment is left as it was
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
-    with _child_env(_OMP_ENV):
-        assert "OMP_WAIT_POLICY" not in os.environ
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    with _child_env(_OMP_ENV):
-        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    with spin_env():
+        assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with spin_env():
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ

@@ -43,12 +43,13 @@ class AttentionBackend(Protocol):
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write each new token's k/v into its cache slot; slot -1 (padding) is not stored."""
+    """Write each new token's k/v into its cache slot (in the cache's dtype); slot -1 (padding)
+    is not stored."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 @dataclass(slots=True)
@@ -128,10 +129,11 @@ class TorchAttention:
         torch.index_select(k_cache, 0, group.blocks.view(-1), out=k)
         torch.index_select(v_cache, 0, group.blocks.view(-1), out=v)
         shape = (b, num_blocks * k_cache.shape[1], *k_cache.shape[2:])
+        # A cache in another dtype than the queries (a half-precision one) is widened here.
         out = F.scaled_dot_product_attention(
             q[:, :, None],
-            k.view(shape).transpose(1, 2),
-            v.view(shape).transpose(1, 2),
+            k.view(shape).transpose(1, 2).to(q.dtype),
+            v.view(shape).transpose(1, 2).to(q.dtype),
             attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
@@ -212,8 +214,8 @@ def _prefill(
         return _sdpa_gqa(q, k_new, v_new, None, scale)
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kvh, d]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    k = k_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)  # [seq_len, kvh, d]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
     # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
     pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
@@ -274,7 +276,7 @@ class CpuAttention(TorchAttention):
         shape = (q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
         if (
             q.dtype != torch.float32
-            or k_cache.dtype != torch.float32
+            or k_cache.dtype not in cpu_kernels.KV_DTYPES
             or q.device.type != "cpu"
             or (shape != self._checked and not cpu_kernels.supports(self._lib, *shape))  # type: ignore[arg-type]
         ):

@@ -113,9 +113,11 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_limits.restype = ctypes.c_int
         lib.tm_paged_attention.argtypes = [_ptr] * 4 + [_i64] + [_ptr] * 4 + [_i64] * 5 + [_f32, _i64, _ptr]
         lib.tm_paged_attention.restype = None
+        lib.tm_paged_attention_f16.argtypes = lib.tm_paged_attention.argtypes
+        lib.tm_paged_attention_f16.restype = None
         lib.tm_rms_norm.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr, _i64]
         lib.tm_rope.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
-        lib.tm_store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+        lib.tm_store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
         lib.tm_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _i64]
         for fn in (lib.tm_rms_norm, lib.tm_rope, lib.tm_store_kv, lib.tm_silu_mul):
             fn.restype = None
@@ -123,6 +125,10 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_prefault.restype = _i64
         _lib = lib
         return lib
+
+
+# The cache dtypes the kernels read and write (queries and outputs are fp32 either way).
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 def supports(lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -145,9 +151,10 @@ def paged_attention(
     """out[r] = attention of query row r (q [T, H, D]) over its sequence's context, read in
     place from the caches, for each r in `rows` (None: every row), whose sequence is the same
     entry of `row_seq`. int32 metadata, fp32 contiguous tensors on the CPU: the caller checks
-    (the C side trusts every pointer and shape)."""
+    (the C side trusts every pointer and shape); the caches fp32 or fp16."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    lib.tm_paged_attention(
+    fn = lib.tm_paged_attention_f16 if k_cache.dtype == torch.float16 else lib.tm_paged_attention
+    fn(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -217,7 +224,7 @@ def rope_(lib: ctypes.CDLL, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> N
 
 def store_kv(lib: ctypes.CDLL, k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     """k, v [n, kv heads, d] (rows may be views) into the caches' rows at `slots` (int64; -1 =
-    padding, not stored)."""
+    padding, not stored); fp32 caches, or fp16 ones (each value rounded to the nearest half)."""
     n = k.shape[0]
     lib.tm_store_kv(
         k.data_ptr(),
@@ -229,6 +236,7 @@ def store_kv(lib: ctypes.CDLL, k: Tensor, v: Tensor, slots: Tensor, k_cache: Ten
         v_cache.data_ptr(),
         n,
         k.shape[1] * k.shape[2],
+        k_cache.dtype == torch.float16,
         torch.get_num_threads(),
     )
 

@@ -16,21 +16,20 @@ included): no shared memory, no file descriptors to pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
-import os
 import pickle
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from workers.engine.config import ModelConfig
 from workers.engine.engine import EngineConfig, LLMEngine, Output, take_queued
+from workers.engine.omp import spin_env
 from workers.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -210,15 +209,6 @@ def _apply(
 
 # --- the server's side ----------------------------------------------------------------------
 
-# OpenMP threads that sleep at once when a parallel region ends, instead of spinning for the
-# next one. libgomp spins (for up to ~300k iterations) when it believes it has the cores to
-# itself, and a child process that only ever ran one team does believe it; on cores shared with
-# the server, the gateway and the clients, the spinning thread takes the time the step's own
-# thread needs. Measured here (SmolLM2, 32 requests, the engine process, one run after another):
-# 24.3 and 24.7 tokens/s spinning, 48.9 and 47.8 passive. A user's own setting wins.
-_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -233,25 +223,6 @@ def _log_formatter() -> logging.Formatter | None:
                 return None
             return handler.formatter
     return None
-
-
-@contextlib.contextmanager
-def _child_env(env: dict[str, str]) -> Iterator[None]:
-    """`env` in os.environ while a child is spawned (it reads it as its OpenMP starts), unless
-    an OpenMP wait setting is there already."""
-    if any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 class EngineProcess:
@@ -285,7 +256,8 @@ class EngineProcess:
             name="tokenmill-engine",
             daemon=True,
         )
-        with _child_env(_OMP_ENV):
+        # OpenMP threads that spin briefly, then sleep (workers/engine/omp.py).
+        with spin_env():
             self._proc.start()
         child.close()
         if not self._conn.poll(start_timeout):

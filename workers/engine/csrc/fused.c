@@ -62,20 +62,30 @@ void tm_rope(float *q, int64_t q_stride, int64_t num_q, float *k, int64_t k_stri
     }
 }
 
-/* k_cache/v_cache row slots[t] = k[t], v[t] (rows `k_stride`/`v_stride` apart, `row` floats
- * each: kv heads x head_dim); slot -1 (padding) is not stored. */
+/* k_cache/v_cache row slots[t] = k[t], v[t] (rows `k_stride`/`v_stride` apart, `row` values
+ * each: kv heads x head_dim); slot -1 (padding) is not stored. The caches hold fp32, or fp16
+ * when `half` (each value rounded to the nearest half). */
 void tm_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
-                 float *k_cache, float *v_cache, int64_t n, int64_t row, int64_t num_threads) {
+                 void *k_cache, void *v_cache, int64_t n, int64_t row, int64_t half, int64_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (n * row >= PARALLEL_MIN)
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         const float *kt = k + t * k_stride, *vt = v + t * v_stride;
-        float *kc = k_cache + slot * row, *vc = v_cache + slot * row;
+        if (half) {
+            _Float16 *kc = (_Float16 *)k_cache + slot * row, *vc = (_Float16 *)v_cache + slot * row;
 #pragma omp simd
-        for (int64_t i = 0; i < row; i++) {
-            kc[i] = kt[i];
-            vc[i] = vt[i];
+            for (int64_t i = 0; i < row; i++) {
+                kc[i] = (_Float16)kt[i];
+                vc[i] = (_Float16)vt[i];
+            }
+        } else {
+            float *kc = (float *)k_cache + slot * row, *vc = (float *)v_cache + slot * row;
+#pragma omp simd
+            for (int64_t i = 0; i < row; i++) {
+                kc[i] = kt[i];
+                vc[i] = vt[i];
+            }
         }
     }
 }

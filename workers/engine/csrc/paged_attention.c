@@ -8,19 +8,35 @@
  * Layout (vLLM's): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], all
  * contiguous fp32. Sequence s owns query rows query_start[s] .. query_start[s + 1] - 1, the last
  * q_len positions of its seq_lens[s]-token context, and query i sees keys 0 .. its own position.
- * Each work item is one (sequence, kv head, query) triple: the G = H / KVH query heads that share
- * the kv head walk the context once, a block at a time, with an online softmax (one pass over K
- * and V, no score buffer). The cache rows of one kv head are 1/KVH of each block, too sparse for
- * the hardware prefetchers: each walk asks for the block PREFETCH blocks ahead itself, which
- * took decodes at batch 64 from 10 to 15.6 GB/s (AVX2 code: 9 to 12) on a 2-core Xeon whose plain
- * reads make 19.6.
+ * A work item is one query row and its kv heads, all of them when there are rows enough for the
+ * threads (each block's rows then read whole, in address order), else one: each kv head's G = H /
+ * KVH query heads walk the context once, a block at a time, with an online softmax (one pass over
+ * K and V, no score buffer). The walk asks for the block PREFETCH blocks ahead itself, a few lines
+ * between each pass over the current one: the hardware prefetchers do not follow the jumps between
+ * blocks. Over one kv head's rows (1/KVH of each) prefetching took decodes at batch 64 from 10 to
+ * 15.6 GB/s on a 2-core Xeon whose plain reads make 19.6; whole rows, asked for in pieces, took a
+ * 2-core EPYC's from 6.3 to 11.1 GB/s on one thread and 9.3 to 18.5 on two (plain reads: 21, 35),
+ * and a 2-core AVX-512 Xeon's from 16.7 to 21.0 GB/s on two (plain reads: 23).
+ *
+ * The cache holds fp32, or fp16 when this file is compiled with KV_HALF (paged_attention_f16.c
+ * does: the same code, symbols suffixed _f16): half the bytes to read, the same fp32 arithmetic
+ * once each row is loaded and widened.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "tm_math.h"
 
+#ifdef KV_HALF
+typedef _Float16 kv_t;
+#define KV_NAME(name) name##_f16
+#else
+typedef float kv_t;
+#define KV_NAME(name) name
+#endif
+
 #define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_HEADS 32  /* query heads per work item (a kv head's group, or several) */
 #define MAX_DIM 256   /* head_dim */
 #define MAX_BLOCK 64  /* tokens per cache block */
 #define PREFETCH 2    /* blocks ahead: one left misses at the start of every block, four no better */
@@ -28,60 +44,82 @@
  * calls (at -O1 and up), prefetches and all. */
 #define INLINE static inline __attribute__((always_inline))
 
+#ifndef KV_HALF
 int tm_limits(int64_t group, int64_t head_dim, int64_t block_size) {
     return group <= MAX_GROUP && head_dim <= MAX_DIM && block_size <= MAX_BLOCK;
 }
+#endif
 
-/* Ask for the rows of kv head kvh in cache block `block` (K and V), a cache line at a time. */
-INLINE void prefetch_block(const float *k_cache, const float *v_cache, int64_t block, int64_t kvh,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
-    const int64_t row = num_kv_heads * head_dim;
-    const int64_t base = (block * block_size * num_kv_heads + kvh) * head_dim;
-    for (int64_t j = 0; j < block_size; j++)
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            __builtin_prefetch(k_cache + base + j * row + d);
-            __builtin_prefetch(v_cache + base + j * row + d);
+/* The block PREFETCH blocks ahead of the one being computed, asked for a few lines at a time
+ * between the current block's passes (`ask`), for the rows of the work item's kv heads: asked
+ * for all at once at the start of each block, hundreds of prefetches queued behind the core's
+ * few line-fill buffers and stalled it (1.6x slower on a 2-core EPYC). */
+typedef struct {
+    const char *k, *v; /* the item's first row in the block ahead (none: tokens is 0) */
+    int64_t row, seg;  /* bytes from a token's row to the next's; bytes of the item's heads in one */
+    int64_t tokens, tok, off; /* tokens in the block ahead; next line to ask: token, byte in it */
+    int64_t step;      /* lines per ask */
+} Ahead;
+
+/* Aim `a` at the block holding token `start` (elements: `row` between tokens, the item's heads
+ * from `first` in each), its lines spread over `sites` asks. */
+INLINE void ahead_at(Ahead *a, const kv_t *k_cache, const kv_t *v_cache, const int32_t *table, int64_t start,
+                     int64_t ctx, int64_t row, int64_t first, int64_t block_size, int64_t sites) {
+    a->tok = a->off = 0;
+    a->tokens = start < ctx ? (ctx - start < block_size ? ctx - start : block_size) : 0;
+    if (a->tokens == 0) return;
+    const int64_t at = (int64_t)table[start / block_size] * block_size * row + first;
+    a->k = (const char *)(k_cache + at);
+    a->v = (const char *)(v_cache + at);
+    const int64_t lines = a->tokens * ((a->seg + 63) / 64);
+    a->step = (lines + sites - 1) / sites;
+}
+
+INLINE void ask(Ahead *a, int64_t lines) {
+    for (; lines > 0 && a->tok < a->tokens; lines--) {
+        __builtin_prefetch(a->k + a->tok * a->row + a->off);
+        __builtin_prefetch(a->v + a->tok * a->row + a->off);
+        a->off += 64;
+        if (a->off >= a->seg) {
+            a->off = 0;
+            a->tok++;
         }
+    }
 }
 
-INLINE void prefetch_first(const float *k_cache, const float *v_cache, const int32_t *table, int64_t ctx,
-                           int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
-    for (int64_t b = 0; b < PREFETCH && b * block_size < ctx; b++)
-        prefetch_block(k_cache, v_cache, table[b], kvh, num_kv_heads, head_dim, block_size);
-}
+/* Whatever lines of the block ahead the rounding of `step` left unasked. */
+INLINE void ask_rest(Ahead *a) { ask(a, INT64_MAX); }
 
-INLINE void prefetch_ahead(const float *k_cache, const float *v_cache, const int32_t *table, int64_t start,
-                           int64_t ctx, int64_t kvh, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
-    const int64_t ahead = start + PREFETCH * block_size;
-    if (ahead < ctx)
-        prefetch_block(k_cache, v_cache, table[ahead / block_size], kvh, num_kv_heads, head_dim, block_size);
-}
-
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+static inline float dot(const float *restrict a, const kv_t *restrict b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < n; d++) acc += a[d] * b[d];
+    for (int64_t d = 0; d < n; d++) acc += a[d] * (float)b[d];
     return acc;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && (!defined(KV_HALF) || defined(__F16C__))
 #include <immintrin.h>
 #define TM_DOT8 1
+#ifdef KV_HALF
+#define LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else
+#define LOAD8(p) _mm256_loadu_ps(p)
+#endif
 /* q against 8 keys k, k + row, ..., k + 7 row at once (head_dim a multiple of 8): one vector
  * accumulator per key and one transpose-add at the end, instead of a horizontal sum per key,
  * which left the scores latency-bound. Lane j of the result is the score of key j. */
-static inline __m256 dot8(const float *restrict q, const float *restrict k, int64_t row, int64_t head_dim) {
+static inline __m256 dot8(const float *restrict q, const kv_t *restrict k, int64_t row, int64_t head_dim) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t d = 0; d < head_dim; d += 8) {
         const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + row + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * row + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * row + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * row + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * row + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * row + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * row + d), a7);
+        a0 = _mm256_fmadd_ps(x, LOAD8(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, LOAD8(k + row + d), a1);
+        a2 = _mm256_fmadd_ps(x, LOAD8(k + 2 * row + d), a2);
+        a3 = _mm256_fmadd_ps(x, LOAD8(k + 3 * row + d), a3);
+        a4 = _mm256_fmadd_ps(x, LOAD8(k + 4 * row + d), a4);
+        a5 = _mm256_fmadd_ps(x, LOAD8(k + 5 * row + d), a5);
+        a6 = _mm256_fmadd_ps(x, LOAD8(k + 6 * row + d), a6);
+        a7 = _mm256_fmadd_ps(x, LOAD8(k + 7 * row + d), a7);
     }
     const __m256 lo4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     const __m256 hi4 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -90,14 +128,14 @@ static inline __m256 dot8(const float *restrict q, const float *restrict k, int6
 
 /* acc[0..63] += sum over j < n of p[j] * v[j * row + 0..63], the accumulator in registers
  * throughout (in memory, every key paid a load and a store of it). */
-static inline void pv64(const float *restrict p, const float *restrict v, int64_t row, int64_t n,
+static inline void pv64(const float *restrict p, const kv_t *restrict v, int64_t row, int64_t n,
                         float *restrict acc) {
     __m256 c[8];
     for (int i = 0; i < 8; i++) c[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = 0; j < n; j++) {
         const __m256 w = _mm256_set1_ps(p[j]);
-        const float *r = v + j * row;
-        for (int i = 0; i < 8; i++) c[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * i), c[i]);
+        const kv_t *r = v + j * row;
+        for (int i = 0; i < 8; i++) c[i] = _mm256_fmadd_ps(w, LOAD8(r + 8 * i), c[i]);
     }
     for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, c[i]);
 }
@@ -105,6 +143,11 @@ static inline void pv64(const float *restrict p, const float *restrict v, int64_
 
 #if defined(__AVX512F__)
 #define TM_AVX512 1
+#ifdef KV_HALF
+#define LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#else
+#define LOAD16(p) _mm512_loadu_ps(p)
+#endif
 /* Lane j of the result is the sum of t[j]'s 16 lanes: a transpose-add tree, 45 shuffles and
  * adds for 16 keys where a horizontal sum per key would take 64 and leave 16 scalars. */
 static inline __m512 hsum16(const __m512 *t) {
@@ -120,46 +163,52 @@ static inline __m512 hsum16(const __m512 *t) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
 }
 
-/* one_query with AVX-512 for head_dim = 16 nv and blocks of at most 16 tokens: a block's scores
+/* one_item with AVX-512 for head_dim = 16 nv and blocks of at most 16 tokens: a block's scores
  * of one query head in one register, its weighted values accumulated in nv registers. Always
  * inlined, and called with a constant nv, so every loop over nv unrolls and stays in registers. */
-INLINE void one_query16(
-    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-    const int32_t *restrict table, int64_t ctx, int64_t kvh, int64_t group, int64_t num_kv_heads,
+INLINE void one_item16(
+    const float *restrict q, const kv_t *restrict k_cache, const kv_t *restrict v_cache,
+    const int32_t *restrict table, int64_t ctx, int64_t kvh0, int64_t span, int64_t group, int64_t num_kv_heads,
     int64_t block_size, float scale, float *restrict out, const int nv) {
-    __m512 acc[MAX_GROUP][8];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    const int64_t head_dim = 16 * nv, row = num_kv_heads * head_dim;
-    for (int64_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int c = 0; c < nv; c++) acc[g][c] = _mm512_setzero_ps();
+    __m512 acc[MAX_HEADS][8];
+    float m[MAX_HEADS], l[MAX_HEADS];
+    const int64_t head_dim = 16 * nv, row = num_kv_heads * head_dim, heads = span * group;
+    for (int64_t h = 0; h < heads; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int c = 0; c < nv; c++) acc[h][c] = _mm512_setzero_ps();
     }
     const __m512 sc = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
-    prefetch_first(k_cache, v_cache, table, ctx, kvh, num_kv_heads, head_dim, block_size);
+    Ahead a = {.row = row * (int64_t)sizeof(kv_t), .seg = span * head_dim * (int64_t)sizeof(kv_t)};
+    for (int64_t b = 0; b < PREFETCH; b++) { /* the first blocks: nothing to interleave them with */
+        ahead_at(&a, k_cache, v_cache, table, b * block_size, ctx, row, kvh0 * head_dim, block_size, 1);
+        ask(&a, a.step);
+    }
     for (int64_t start = 0; start < ctx; start += block_size) {
-        prefetch_ahead(k_cache, v_cache, table, start, ctx, kvh, num_kv_heads, head_dim, block_size);
+        ahead_at(&a, k_cache, v_cache, table, start + PREFETCH * block_size, ctx, row, kvh0 * head_dim, block_size,
+                 2 * heads);
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-        const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + kvh) * head_dim;
-        const float *kb = k_cache + base, *vb = v_cache + base;
+        const int64_t base = (int64_t)table[start / block_size] * block_size * row + kvh0 * head_dim;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
-        for (int64_t g = 0; g < group; g++) {
+        for (int64_t h = 0; h < heads; h++) {
+            /* query head h of the item reads kv head kvh0 + h / group */
+            const kv_t *kb = k_cache + base + (h / group) * head_dim, *vb = v_cache + base + (h / group) * head_dim;
             __m512 qv[8], t[16];
-            for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + g * head_dim + 16 * c);
+            ask(&a, a.step);
+            for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + h * head_dim + 16 * c);
             for (int64_t j = 0; j < 16; j++) {
-                __m512 a = _mm512_setzero_ps();
+                __m512 x = _mm512_setzero_ps();
                 if (j < n)
-                    for (int c = 0; c < nv; c++)
-                        a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kb + j * row + 16 * c), a);
-                t[j] = a;
+                    for (int c = 0; c < nv; c++) x = _mm512_fmadd_ps(qv[c], LOAD16(kb + j * row + 16 * c), x);
+                t[j] = x;
             }
             const __m512 s = _mm512_mask_blend_ps(live, minus_inf, _mm512_mul_ps(hsum16(t), sc));
-            const float top = fmaxf(m[g], _mm512_reduce_max_ps(s));
-            if (top > m[g]) { /* rescale what was accumulated under the old maximum */
-                const float c = tm_expf(m[g] - top);
-                l[g] *= c;
-                for (int i = 0; i < nv; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], _mm512_set1_ps(c));
-                m[g] = top;
+            const float top = fmaxf(m[h], _mm512_reduce_max_ps(s));
+            if (top > m[h]) { /* rescale what was accumulated under the old maximum */
+                const float c = tm_expf(m[h] - top);
+                l[h] *= c;
+                for (int i = 0; i < nv; i++) acc[h][i] = _mm512_mul_ps(acc[h][i], _mm512_set1_ps(c));
+                m[h] = top;
             }
             float p[16];
             _mm512_storeu_ps(p, s);
@@ -167,102 +216,132 @@ INLINE void one_query16(
             for (int64_t j = 0; j < 16; j++) p[j] = tm_expf(p[j] - top);
             float sum = 0.0f; /* over the live keys only: tm_expf(-inf) is about 1e-38, not 0 */
             for (int64_t j = 0; j < n; j++) sum += p[j];
-            l[g] += sum;
-            __m512 a[8];
-            for (int c = 0; c < nv; c++) a[c] = acc[g][c];
+            l[h] += sum;
+            ask(&a, a.step);
+            __m512 r[8];
+            for (int c = 0; c < nv; c++) r[c] = acc[h][c];
             for (int64_t j = 0; j < n; j++) {
                 const __m512 w = _mm512_set1_ps(p[j]);
-                for (int c = 0; c < nv; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + j * row + 16 * c), a[c]);
+                for (int c = 0; c < nv; c++) r[c] = _mm512_fmadd_ps(w, LOAD16(vb + j * row + 16 * c), r[c]);
             }
-            for (int c = 0; c < nv; c++) acc[g][c] = a[c];
+            for (int c = 0; c < nv; c++) acc[h][c] = r[c];
         }
+        ask_rest(&a);
     }
-    for (int64_t g = 0; g < group; g++) {
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    for (int64_t h = 0; h < heads; h++) {
+        const __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + h * head_dim + 16 * c, _mm512_mul_ps(acc[h][c], inv));
     }
 }
 #endif
 
-static void one_query(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-                      const int32_t *restrict table, int64_t ctx, int64_t kvh, int64_t group, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, float scale, float *restrict out) {
-    float acc[MAX_GROUP][MAX_DIM];
-    float m[MAX_GROUP], l[MAX_GROUP];
+/* One work item: query row q (its `span` kv heads' query heads, [span * group, head_dim]) over
+ * ctx keys, a block at a time; per block, each kv head's group walks that head's rows once with an
+ * online softmax. With every kv head in one item a block's rows are read whole, in address order,
+ * which the hardware prefetchers follow; one head's rows are 1/KVH of each row. */
+static void one_item(const float *restrict q, const kv_t *restrict k_cache, const kv_t *restrict v_cache,
+                     const int32_t *restrict table, int64_t ctx, int64_t kvh0, int64_t span, int64_t group,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *restrict out) {
+    float acc[MAX_HEADS][MAX_DIM];
+    float m[MAX_HEADS], l[MAX_HEADS];
     float s[MAX_GROUP][MAX_BLOCK];
-    const int64_t row = num_kv_heads * head_dim; /* stride between tokens of a block */
-    for (int64_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+    const int64_t heads = span * group, row = num_kv_heads * head_dim; /* row: stride between tokens */
+    for (int64_t h = 0; h < heads; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) acc[h][d] = 0.0f;
     }
-    prefetch_first(k_cache, v_cache, table, ctx, kvh, num_kv_heads, head_dim, block_size);
+    Ahead a = {.row = row * (int64_t)sizeof(kv_t), .seg = span * head_dim * (int64_t)sizeof(kv_t)};
+    for (int64_t b = 0; b < PREFETCH; b++) { /* the first blocks: nothing to interleave them with */
+        ahead_at(&a, k_cache, v_cache, table, b * block_size, ctx, row, kvh0 * head_dim, block_size, 1);
+        ask(&a, a.step);
+    }
     for (int64_t start = 0; start < ctx; start += block_size) {
-        prefetch_ahead(k_cache, v_cache, table, start, ctx, kvh, num_kv_heads, head_dim, block_size);
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-        const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + kvh) * head_dim;
-        const float *kb = k_cache + base, *vb = v_cache + base;
-        int64_t j = 0;
+        const int64_t sites = heads * ((n + 7) / 8 + 1); /* the asks below, per block */
+        ahead_at(&a, k_cache, v_cache, table, start + PREFETCH * block_size, ctx, row, kvh0 * head_dim, block_size,
+                 sites);
+        const int64_t base = (int64_t)table[start / block_size] * block_size * row + kvh0 * head_dim;
+        for (int64_t kh = 0; kh < span; kh++) {
+            const kv_t *kb = k_cache + base + kh * head_dim, *vb = v_cache + base + kh * head_dim;
+            const float *qh = q + kh * group * head_dim;
+            for (int64_t j = 0; j < n; j += 8)
+                for (int64_t g = 0; g < group; g++) {
+                    ask(&a, a.step);
 #ifdef TM_DOT8
-        if (head_dim % 8 == 0) {
-            const __m256 sc = _mm256_set1_ps(scale);
-            for (; j + 8 <= n; j += 8)
-                for (int64_t g = 0; g < group; g++)
-                    _mm256_storeu_ps(s[g] + j, _mm256_mul_ps(dot8(q + g * head_dim, kb + j * row, row, head_dim), sc));
-        }
+                    if (head_dim % 8 == 0 && j + 8 <= n) {
+                        const __m256 dots = dot8(qh + g * head_dim, kb + j * row, row, head_dim);
+                        _mm256_storeu_ps(s[g] + j, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+                        continue;
+                    }
 #endif
-        for (; j < n; j++)
-            for (int64_t g = 0; g < group; g++) s[g][j] = dot(q + g * head_dim, kb + j * row, head_dim) * scale;
-        for (int64_t g = 0; g < group; g++) {
-            float top = m[g];
-            for (int64_t j = 0; j < n; j++) top = s[g][j] > top ? s[g][j] : top;
-            if (top > m[g]) { /* rescale what was accumulated under the old maximum */
-                const float c = tm_expf(m[g] - top);
-                l[g] *= c;
+                    for (int64_t i = j; i < n && i < j + 8; i++)
+                        s[g][i] = dot(qh + g * head_dim, kb + i * row, head_dim) * scale;
+                }
+            for (int64_t g = 0; g < group; g++) {
+                float *acc_h = acc[kh * group + g];
+                float *m_h = &m[kh * group + g], *l_h = &l[kh * group + g];
+                float top = *m_h;
+                for (int64_t j = 0; j < n; j++) top = s[g][j] > top ? s[g][j] : top;
+                if (top > *m_h) { /* rescale what was accumulated under the old maximum */
+                    const float c = tm_expf(*m_h - top);
+                    *l_h *= c;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= c;
-                m[g] = top;
-            }
-            float sum = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) acc_h[d] *= c;
+                    *m_h = top;
+                }
+                float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; j++) { /* the block's probabilities, vectorised over j */
-                s[g][j] = tm_expf(s[g][j] - top);
-                sum += s[g][j];
-            }
-            l[g] += sum;
+                for (int64_t j = 0; j < n; j++) { /* the block's probabilities, vectorised over j */
+                    s[g][j] = tm_expf(s[g][j] - top);
+                    sum += s[g][j];
+                }
+                *l_h += sum;
+                ask(&a, a.step);
 #ifdef TM_DOT8
-            if (head_dim % 64 == 0) { /* 64 columns at a time, held in registers across the block */
-                for (int64_t d = 0; d < head_dim; d += 64) pv64(s[g], vb + d, row, n, acc[g] + d);
-                continue;
-            }
+                if (head_dim % 64 == 0) { /* 64 columns at a time, held in registers across the block */
+                    for (int64_t d = 0; d < head_dim; d += 64) pv64(s[g], vb + d, row, n, acc_h + d);
+                    continue;
+                }
 #endif
-            for (int64_t j = 0; j < n; j++) {
-                const float p = s[g][j];
-                const float *v = vb + j * row;
+                for (int64_t j = 0; j < n; j++) {
+                    const float p = s[g][j];
+                    const kv_t *v = vb + j * row;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+                    for (int64_t d = 0; d < head_dim; d++) acc_h[d] += p * (float)v[d];
+                }
             }
         }
+        ask_rest(&a);
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g][d] * inv;
+        for (int64_t d = 0; d < head_dim; d++) out[h * head_dim + d] = acc[h][d] * inv;
     }
 }
 
-void tm_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+void KV_NAME(tm_paged_attention)(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *query_start, const int32_t *seq_lens,
                         const int32_t *rows, const int32_t *row_seq, int64_t num_items, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                         int64_t num_threads, float *out) {
-    /* Item i is query row rows[i] (or row i when rows is NULL) of sequence row_seq[i]; the work
-     * is num_items x KVH, in that order, so the kv heads of one query are neighbours. */
+    /* Item i is query row rows[i] (or row i when rows is NULL) of sequence row_seq[i]. A work item
+     * is one row's `span` kv heads: all of them (whole rows of each block, in address order) when
+     * there are rows enough to keep every thread busy, else one (the kv heads of a row are
+     * neighbours in the work order). */
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t total = num_items * num_kv_heads;
+#ifdef TM_AVX512
+    const int wide = block_size <= 16 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+#endif
+    int64_t span = 1;
+    if (num_items >= 4 * num_threads)
+        for (span = num_kv_heads; span > 1; span--)
+            if (num_kv_heads % span == 0 && span * group <= MAX_HEADS) break;
+    const int64_t parts = num_kv_heads / span, total = num_items * parts;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t w = 0; w < total; w++) {
-        const int64_t i = w / num_kv_heads, kvh = w % num_kv_heads;
+        const int64_t i = w / parts, kvh = (w % parts) * span;
         const int64_t t = rows ? rows[i] : i;
         const int64_t seq = row_seq[i];
         const int64_t q_len = query_start[seq + 1] - query_start[seq];
@@ -270,20 +349,20 @@ void tm_paged_attention(const float *q, const float *k_cache, const float *v_cac
         const int64_t at = (t * num_heads + kvh * group) * head_dim;
         const int32_t *table = block_tables + seq * table_stride;
 #ifdef TM_AVX512
-        if (block_size <= 16 && (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+        if (wide) {
             /* a call per head_dim, so each inlined copy has its nv as a constant */
             const float *qi = q + at;
             float *o = out + at;
             if (head_dim == 32)
-                one_query16(qi, k_cache, v_cache, table, ctx, kvh, group, num_kv_heads, block_size, scale, o, 2);
+                one_item16(qi, k_cache, v_cache, table, ctx, kvh, span, group, num_kv_heads, block_size, scale, o, 2);
             else if (head_dim == 64)
-                one_query16(qi, k_cache, v_cache, table, ctx, kvh, group, num_kv_heads, block_size, scale, o, 4);
+                one_item16(qi, k_cache, v_cache, table, ctx, kvh, span, group, num_kv_heads, block_size, scale, o, 4);
             else
-                one_query16(qi, k_cache, v_cache, table, ctx, kvh, group, num_kv_heads, block_size, scale, o, 8);
+                one_item16(qi, k_cache, v_cache, table, ctx, kvh, span, group, num_kv_heads, block_size, scale, o, 8);
             continue;
         }
 #endif
-        one_query(q + at, k_cache, v_cache, table, ctx, kvh, group, num_kv_heads,
-                  head_dim, block_size, scale, out + at);
+        one_item(q + at, k_cache, v_cache, table, ctx, kvh, span, group, num_kv_heads, head_dim, block_size, scale,
+                 out + at);
     }
 }

@@ -99,9 +99,12 @@ def _unified_attention_kernel(
         # and 0 * NaN in P @ V would poison the row even with its probability at 0.
         kv_ok = kv_pos < seq_len
         k_off = block * stride_kb + offs_n[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
+        # .to: a cache in another dtype than q (half precision under fp32) is widened here.
         k = tl.load(k_cache_ptr + k_off, mask=dim_ok[:, None] & kv_ok[None, :], other=0.0)  # [D, N]
+        k = k.to(q.dtype)
         v_off = block * stride_vb + offs_n[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
         v = tl.load(v_cache_ptr + v_off, mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
+        v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # fp32 accumulate
         s = tl.where(row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
