@@ -56,6 +56,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -119,21 +120,27 @@ class Service:
 
 
 def service() -> Service:
-    """Per-replica rates from bench/results/engine.json, else README's measured figures."""
+    """Per-replica rates from bench/results/engine.json, else README's measured figures (also
+    when that file lacks a row the rates need: `bench.engine --engine-only` writes no cold
+    TTFT, and a run of an older bench may lack others)."""
     path = RESULTS / "engine.json"
     if path.exists():
         res = json.loads(path.read_text())["results"]
         get = {k.split(" (")[0]: v for k, v in res.items()}
-        ttft_off = next(v for k, v in res.items() if k.startswith("mean TTFT") and "cache off" in k)
-        return Service(
-            prefill=532 / ttft_off,  # 512-token prefix + ~20 own tokens, prefilled cold
-            decode_one=get["memory bandwidth"] * 1e9 / (4 * 134.5e6),
-            decode_peak=get["engine decode-only steps"],
-            max_seqs=64,
-            step_tokens=2048,
-            measured_tps=get["engine, continuous batching"],
-            source=str(path),
-        )
+        ttft_off = [v for k, v in res.items() if k.startswith("mean TTFT") and "cache off" in k]
+        rows = ("memory bandwidth", "engine decode-only steps", "engine, continuous batching")
+        missing = [row for row in rows if row not in get] + ([] if ttft_off else ["mean TTFT (cache off)"])
+        if not missing:
+            return Service(
+                prefill=532 / ttft_off[0],  # 512-token prefix + ~20 own tokens, prefilled cold
+                decode_one=get["memory bandwidth"] * 1e9 / (4 * 134.5e6),
+                decode_peak=get["engine decode-only steps"],
+                max_seqs=64,
+                step_tokens=2048,
+                measured_tps=get["engine, continuous batching"],
+                source=str(path),
+            )
+        print(f"{path} lacks {', '.join(missing)}: using the README's figures", file=sys.stderr)
     # README "Engine performance" (2-core CPU, SmolLM2-135M fp32): cold TTFT 0.84 s for a
     # ~532-token prompt; decode-only steps 169 tok/s at batch up to 64; 24 GB/s memory
     # bandwidth, so one stream reads 4 × 134.5M bytes of weights per token: ~45 tok/s;

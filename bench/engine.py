@@ -23,10 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __name__ == "__main__":
-    # OpenMP threads as a worker's engine process runs them (workers/engine/process.py): set
-    # before torch loads libgomp. Not when imported (bench/served.py), whose children are servers.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from workers.engine.omp import SPIN, user_chose
+
+if __name__ == "__main__" and not user_chose():
+    # OpenMP threads as a worker's engine process runs them: set before torch loads libgomp.
+    # Not when imported (bench/served.py), whose children are servers.
+    os.environ.update(SPIN)
 
 import torch
 
@@ -234,6 +236,10 @@ def main() -> None:
     n, prompts, outs = (16, (32, 128), (8, 32)) if args.quick else (64, (32, 512), (16, 256))
     config = engine_config(model_dir, args.kv_cache_gib)
     engine = LLMEngine(config)
+    if engine.prefault is not None:
+        # The KV pool mapped in, as a served worker has it by its first request (its start and
+        # warm-ups give the thread the time): not first-touch faults in the first steps.
+        engine.prefault.join()
     vocab = engine.model_config.vocab_size
     params = sum(p.numel() for p in engine.model.parameters())
     reqs = workload(1234, n, vocab, prompts, outs)

@@ -27,6 +27,8 @@ work, throughput follows the share of the cores a server gets; the CPU time per 
 
 `--tokenmill NAME=PATH` (repeatable) serves from other source trees too (e.g. an export of an
 earlier commit), in turn with this one: an optimisation measured against the step before it.
+`--variant NAME=VAR=VALUE` (repeatable; several VAR=VALUE joined by commas) serves this tree
+again with those settings added, e.g. `--variant fp16-kv=TOKENMILL_KV_CACHE_DTYPE=float16`.
 `--rounds N` runs every server N times, alternating the order; figures are medians over rounds.
 `--root PATH` takes the main row (served and in-process) from another tree than this one.
 """
@@ -279,7 +281,7 @@ async def wait_http(server: Server, url: str, ok: Any) -> None:
 
 
 async def run_tokenmill(
-    name: str, root: Path, args: argparse.Namespace, reqs: list[Request], work: Path
+    name: str, root: Path, args: argparse.Namespace, reqs: list[Request], work: Path, extra: dict[str, str]
 ) -> Figures:
     home = Path(tempfile.mkdtemp(prefix=f"home-{name}-", dir=work))
     port = free_port()
@@ -296,6 +298,7 @@ async def run_tokenmill(
     for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
         env.pop(var, None)
     env.update(dict(kv.split("=", 1) for kv in args.tokenmill_env))
+    env.update(extra)
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
     server = Server(name, [sys.executable, "-m", "tokenmill.cli", "serve"], env, root, work / f"{name}.log")
@@ -426,6 +429,13 @@ def main() -> int:
         "--tokenmill", action="append", default=[], metavar="NAME=PATH", help="another source tree to serve"
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VAR=VALUE[,VAR=VALUE]",
+        help="this tree again, with these settings",
+    )
+    parser.add_argument(
         "--tokenmill-env", action="append", default=[], metavar="VAR=VALUE", help="extra env of every serve"
     )
     parser.add_argument("--rounds", type=int, default=1, help="run every server this many times, alternating")
@@ -443,6 +453,11 @@ def main() -> int:
     trees = [("tokenmill", args.root)] + [
         (kv.split("=", 1)[0], Path(kv.split("=", 1)[1])) for kv in args.tokenmill
     ]
+    extra: dict[str, dict[str, str]] = {}
+    for spec in args.variant:
+        name, settings = spec.split("=", 1)
+        trees.append((name, args.root))
+        extra[name] = dict(kv.split("=", 1) for kv in settings.split(","))
 
     # Every round runs each server once; odd rounds in reverse order (A B C, C B A, ...), so a
     # machine that speeds up or slows down during the run does not favour one of them. Each
@@ -464,7 +479,7 @@ def main() -> int:
                 elif name == "engine in-process":
                     got[name] = run_inprocess(args, args.root, work)
                 else:
-                    got[name] = asyncio.run(run_tokenmill(name, root, args, reqs, work))
+                    got[name] = asyncio.run(run_tokenmill(name, root, args, reqs, work, extra.get(name, {})))
                 print(f"   {got[name].output_tokens_per_s:.1f} tok/s", file=sys.stderr)
             per_round.append(got)
 

@@ -44,8 +44,25 @@ def test_a_replica_that_misses_the_goal_at_any_rate_is_said_plainly(
     assert written["calibration"] is None and written["error"] in message
 
 
-def test_a_slow_replica_is_calibrated_below_half_a_request_a_second() -> None:
+def test_an_engine_only_result_falls_back_to_the_readme_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `bench.engine --engine-only` writes no cold TTFT: the simulation says so, not a traceback.
+    _engine_json(tmp_path, ttft_cache_off=4.0)
+    written = json.loads((tmp_path / "engine.json").read_text())
+    del written["results"]["mean TTFT (s, cache off)"]
+    (tmp_path / "engine.json").write_text(json.dumps(written))
+    monkeypatch.setattr(sim, "RESULTS", tmp_path)
+    assert sim.service().source == "README"
+    assert "lacks mean TTFT (cache off): using the README's figures" in capsys.readouterr().err
+
+
+def test_a_slow_replica_is_calibrated_below_half_a_request_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sim, "RESULTS", tmp_path)  # the README's figures, not a local run's
     svc = sim.service()
+    assert svc.source == "README"
     slow = replace(
         svc, prefill=svc.prefill / 2, decode_one=svc.decode_one / 2, decode_peak=svc.decode_peak / 2
     )
