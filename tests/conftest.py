@@ -59,6 +59,7 @@ if not glob.glob("/dev/nvidia[0-9]*"):
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.stalls import LoopWatch  # noqa: E402 (the repo root on the path first)
 
 # --------------------------------------------------------------------------------------------
 # Bookkeeping: which backends ran (for the terminal summary) and cleanup on abnormal exit
@@ -460,15 +461,49 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)
 
 
+_LOOP_WATCH = LoopWatch()
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _loop_watch() -> AsyncIterator[None]:
+    """Stalls of the session's event loop, noted for the reports of the tests they fail."""
+    _LOOP_WATCH.start(asyncio.get_running_loop())
+    yield
+    _LOOP_WATCH.stop()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """A failed test that used the shared vLLM gets its processes' states and log's end: a
-    hang or crash in vLLM shows only as a timeout on our side."""
+    hang or crash in vLLM shows only as a timeout on our side. Any failed test gets the stalls
+    of the event loop seen since its setup began (tests/stalls.py)."""
     report = yield
-    running = getattr(item, "funcargs", {}).get("vllm_server")
-    if report.failed and running is not None:
-        report.sections.append(("vLLM server", running.report()))
+    if report.failed:
+        running = getattr(item, "funcargs", {}).get("vllm_server")
+        if running is not None:
+            report.sections.append(("vLLM server", running.report()))
+        stalls = _LOOP_WATCH.since(item.stash.get(_STARTED, time.monotonic()))
+        if stalls:
+            report.sections.append(("event loop stalls", "\n\n".join(stalls)))
     return report
+
+
+_STARTED = pytest.StashKey[float]()
+_NICE = os.getpriority(os.PRIO_PROCESS, 0)  # this (main) thread's, as the run started
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.monotonic()
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A test that lowers the main thread's priority (the KV prefault's C function, called on
+    it) leaves every later test, and every process they start, starved by any busy server:
+    the vLLM worker tests timed out in CI that way. It errors here instead."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice != _NICE:
+        raise RuntimeError(f"{item.nodeid} changed the main thread's nice from {_NICE} to {nice}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
