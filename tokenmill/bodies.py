@@ -1,8 +1,9 @@
 """Request bodies: every decoding error a 400, and forms parsed with bounded fields.
 
-Litestar (2.x) lets two kinds of bad input through as 500s: msgspec raises
-`UnicodeDecodeError` for invalid UTF-8 inside a JSON string and `RecursionError` for deep
-nesting, and neither is the `DecodeError` Litestar turns into a 400. Its multipart parser
+Litestar (2.x) lets two kinds of bad input through as 500s: msgspec (before 0.23) raises
+`UnicodeDecodeError` for invalid UTF-8 inside a JSON string, and `RecursionError` for deep
+nesting, and neither is the `DecodeError` Litestar turns into a 400. (msgspec 0.23 raises a
+`DecodeError` for invalid UTF-8, with a message of its own: both versions get ours.) Its multipart parser
 buffers a text field in memory whatever its size (a 419 MB field stays as a 419 MB
 string) and decodes it with whatever charset the part names (an unknown one is a
 `LookupError`). `Request` below fixes both for every app that sets it as its
@@ -22,7 +23,7 @@ import litestar
 import msgspec
 from litestar.datastructures import FormMultiDict, UploadFile
 from litestar.enums import RequestEncodingType
-from litestar.exceptions import ClientException
+from litestar.exceptions import ClientException, SerializationException
 from litestar.types import Empty
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser
 
@@ -37,10 +38,10 @@ _UTF8 = {"utf-8", "utf8", "us-ascii", "ascii"}
 
 def json_error(exc: BaseException) -> str | None:
     """The message for a JSON body that failed to decode, or None if `exc` is no such error."""
+    if isinstance(exc, UnicodeDecodeError) or (isinstance(exc, msgspec.DecodeError) and "UTF-8" in str(exc)):
+        return "JSON is malformed: a string is not valid UTF-8."
     if isinstance(exc, msgspec.DecodeError):
         return str(exc)  # "JSON is malformed: ...", "Input data was truncated"
-    if isinstance(exc, UnicodeDecodeError):
-        return "JSON is malformed: a string is not valid UTF-8."
     if isinstance(exc, RecursionError):
         return "JSON is nested too deeply."
     return None
@@ -67,6 +68,11 @@ class Request(litestar.Request[Any, Any, Any]):
             # A ClientException is answered as a 400 by every app's handlers, and Litestar's
             # own malformed-JSON errors become one too, with the same shape.
             raise ClientException(json_error(exc)) from None
+        except SerializationException as exc:
+            # Litestar's own 400 for msgspec's DecodeError, carrying msgspec's message.
+            if isinstance(exc.__cause__, msgspec.DecodeError):
+                raise ClientException(json_error(exc.__cause__)) from None
+            raise
 
     async def form(self) -> FormMultiDict:
         state = self._connection_state
