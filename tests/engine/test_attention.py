@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -72,8 +73,9 @@ def make_case(
         k = torch.randn(new, num_kv_heads, head_dim).to(dtype)
         v = torch.randn(new, num_kv_heads, head_dim).to(dtype)
         old = seq_slots[:cached]
-        ck = k_cache.view(-1, num_kv_heads, head_dim)[old] if cached else k[:0]
-        cv = v_cache.view(-1, num_kv_heads, head_dim)[old] if cached else v[:0]
+        # in the cache's dtype even with nothing cached: the context is what the cache holds
+        ck = k_cache.view(-1, num_kv_heads, head_dim)[old]
+        cv = v_cache.view(-1, num_kv_heads, head_dim)[old]
         contexts.append((torch.cat([ck, k.to(ck.dtype)]), torch.cat([cv, v.to(cv.dtype)])))
         qs.append(q)
         ks.append(k)
@@ -318,10 +320,56 @@ def test_kernel_over_an_fp16_cache_equals_the_plain_path(
     assert read == [torch.float16]
     slow = TorchAttention().forward(case.q, case.k, case.v, k_cache, v_cache, case.meta, scale)
     assert fast.dtype == torch.float32
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+    # The plain path gives a whole prompt (the 9-token one, rows 43..51) its own fp32 k/v; the
+    # kernel reads every context from the cache, rounded: that prompt is within fp16's rounding.
+    prompt = torch.zeros(len(fast), dtype=torch.bool)
+    prompt[43:52] = True
+    torch.testing.assert_close(fast[~prompt], slow[~prompt], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast[prompt], slow[prompt], atol=5e-3, rtol=0)
     assert torch.equal(case.k_cache, k_cache) and torch.equal(case.v_cache, v_cache)  # same rounding
-    # A whole prompt attends its own fp32 k/v, the rest the rounded cache: within fp16's rounding.
-    check(make_case(rng, shapes, 9, 3, 16, head_dim=head_dim, kv_dtype=torch.float16), kernel, atol=5e-3)
+    # Against the dense reference over the rounded context: exact, prompts included.
+    check(make_case(rng, shapes, 9, 3, 16, head_dim=head_dim, kv_dtype=torch.float16), kernel, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+def test_prefill_kernel_matches_the_dense_reference_and_the_plain_path(
+    kernel: CpuAttention, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> None:
+    """Prefill chunks through the C kernel (csrc/paged_attention.c, tm_prefill_attention): whole
+    prompts and chunks after cached context, of lengths around its runs of rows (32 rows: 10
+    positions of a 3-head group) and around blocks, each head dim's paths (AVX2: a block's scores
+    for four rows at a time when head_dim is a multiple of 8 and blocks hold at most 16 tokens,
+    the weighted values in registers when it is a multiple of 64; scalar loops otherwise).
+    Against the dense reference over what the cache holds, and for an fp32 cache against
+    TorchAttention, the plain path (SDPA per sequence)."""
+    from workers.engine import cpu_kernels
+
+    rng = random.Random(head_dim * 100 + block_size)
+    shapes = [(0, n) for n in (9, 10, 11, 21, 33, 100)]  # whole prompts
+    shapes += [(1, 9), (15, 17), (40, 31), (250, 64)]  # chunks after cached context
+    shapes += [(rng.randint(0, 40), 1) for _ in range(3)]  # decodes in the same step
+    rng.shuffle(shapes)
+    case = make_case(rng, shapes, 9, 3, block_size, head_dim=head_dim, kv_dtype=kv_dtype)
+    seen: list[list[int]] = []  # the sequences the prefill kernel was handed
+    real = cpu_kernels.prefill_attention
+
+    def spy(lib: object, *a: Any) -> None:
+        seen.append(a[6].tolist())  # q, caches, tables, query starts, seq lens, then the sequences
+        real(lib, *a)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "prefill_attention", spy)
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        check(case, kernel, atol=1e-5)
+    assert seen == [[s for s, (_, n) in enumerate(shapes) if n > KERNEL_MAX_QUERY]]
+    if kv_dtype == torch.float32:
+        scale = head_dim**-0.5
+        args = (case.q, case.k, case.v)
+        fast = kernel.forward(*args, k_cache.clone(), v_cache.clone(), case.meta, scale)
+        plain = TorchAttention().forward(*args, k_cache, v_cache, case.meta, scale)
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
 
 
 def test_kernel_declines_what_it_does_not_cover(kernel: CpuAttention) -> None:

@@ -115,6 +115,10 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_paged_attention.restype = None
         lib.tm_paged_attention_f16.argtypes = lib.tm_paged_attention.argtypes
         lib.tm_paged_attention_f16.restype = None
+        lib.tm_prefill_attention.argtypes = [_ptr] * 4 + [_i64] + [_ptr] * 3 + [_i64] * 5 + [_f32, _i64, _ptr]
+        lib.tm_prefill_attention.restype = None
+        lib.tm_prefill_attention_f16.argtypes = lib.tm_prefill_attention.argtypes
+        lib.tm_prefill_attention_f16.restype = None
         lib.tm_rms_norm.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr, _i64]
         lib.tm_rope.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
         lib.tm_store_kv.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
@@ -165,6 +169,43 @@ def paged_attention(
         None if rows is None else rows.data_ptr(),
         row_seq.data_ptr(),
         row_seq.shape[0],
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start: Tensor,
+    seq_lens: Tensor,
+    seqs: Tensor,
+    scale: float,
+    out: Tensor,
+) -> None:
+    """out's rows of the sequences `seqs` (int32) = their queries' causal attention over their
+    contexts, read in place from the caches (this step's keys and values already stored): whole
+    prompts and chunks after cached tokens alike. The same contract as `paged_attention`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    fn = lib.tm_prefill_attention_f16 if k_cache.dtype == torch.float16 else lib.tm_prefill_attention
+    fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start.data_ptr(),
+        seq_lens.data_ptr(),
+        seqs.data_ptr(),
+        seqs.shape[0],
         num_heads,
         k_cache.shape[2],
         head_dim,

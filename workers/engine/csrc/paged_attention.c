@@ -1,5 +1,6 @@
-/* Paged attention for the CPU: short queries (decode, verified drafts) against each sequence's
- * context, reading every key and value row where it lies in the paged cache.
+/* Paged attention for the CPU: short queries (decode, verified drafts) and, at the end of the
+ * file, prefill chunks, against each sequence's context, reading every key and value row where it
+ * lies in the paged cache.
  *
  * Built at run time by workers/engine/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and
  * called through ctypes: plain C, no torch headers, so it compiles in about a second. It links
@@ -364,5 +365,215 @@ void KV_NAME(tm_paged_attention)(const float *q, const kv_t *k_cache, const kv_t
 #endif
         one_item(q + at, k_cache, v_cache, table, ctx, kvh, span, group, num_kv_heads, head_dim, block_size, scale,
                  out + at);
+    }
+}
+
+/* Prefill chunks (long queries). A work item is up to PREFILL_ROWS query rows of one kv head: the
+ * next rows / group positions of one sequence, each with the group's query heads. They walk the
+ * context together, a block at a time, so each key and value row, read once from memory, serves
+ * every row of the item from L1 (a query at a time, one_item reads the context once per row),
+ * and each row's scores stop at its own position: past the diagonal nothing is computed. The
+ * arithmetic per row and block is one_item's (dot8, the online softmax, pv64). */
+#define PREFILL_ROWS 32
+
+#ifdef TM_DOT8
+/* s[r][0 .. 15] = scale * (query row r . key j) for the item's rows and a block's first `keys`
+ * keys (at most 16; the rest of each row's 16 are 0): the block transposed once into kt, then
+ * four rows at a time against all 16 keys, eight accumulators, each key load feeding four FMAs
+ * (dot8, per row, pays a load per FMA and a transpose-add per 8 keys). */
+static inline void prefill_scores(const float *restrict q, int64_t q_stride, const kv_t *restrict kb, int64_t row,
+                                  int64_t keys, int64_t rows, int64_t group, int64_t head_dim, float scale,
+                                  float (*restrict s)[MAX_BLOCK]) {
+    float kt[MAX_DIM][16];
+    for (int64_t j = 0; j < 16; j++)
+        for (int64_t d = 0; d < head_dim; d++) kt[d][j] = j < keys ? (float)kb[j * row + d] : 0.0f;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const float *qr[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = r0 + i < rows ? r0 + i : rows - 1; /* past the last row: recompute it */
+            qr[i] = q + (r / group) * q_stride + (r % group) * head_dim;
+        }
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt[d]), k1 = _mm256_loadu_ps(kt[d] + 8);
+            __m256 x = _mm256_broadcast_ss(qr[0] + d);
+            a0 = _mm256_fmadd_ps(x, k0, a0);
+            a1 = _mm256_fmadd_ps(x, k1, a1);
+            x = _mm256_broadcast_ss(qr[1] + d);
+            b0 = _mm256_fmadd_ps(x, k0, b0);
+            b1 = _mm256_fmadd_ps(x, k1, b1);
+            x = _mm256_broadcast_ss(qr[2] + d);
+            c0 = _mm256_fmadd_ps(x, k0, c0);
+            c1 = _mm256_fmadd_ps(x, k1, c1);
+            x = _mm256_broadcast_ss(qr[3] + d);
+            e0 = _mm256_fmadd_ps(x, k0, e0);
+            e1 = _mm256_fmadd_ps(x, k1, e1);
+        }
+        const __m256 out[4][2] = {{a0, a1}, {b0, b1}, {c0, c1}, {e0, e1}};
+        for (int i = 0; i < 4 && r0 + i < rows; i++) {
+            _mm256_storeu_ps(s[r0 + i], _mm256_mul_ps(out[i][0], sc));
+            _mm256_storeu_ps(s[r0 + i] + 8, _mm256_mul_ps(out[i][1], sc));
+        }
+    }
+}
+#endif
+
+#ifdef TM_DOT8
+/* exp of 8 lanes: tm_expf's range reduction and polynomial, as vector instructions. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* One row's block of up to 16 scores (lanes from n on ignored) after the running maximum m:
+ * the new maximum (*top), the probabilities in s (0 past n) and their sum. In vector registers
+ * throughout: as loops over n, the softmax cost as much as the scores. */
+static inline void softmax16(float *restrict s, int64_t n, float m, float *top, float *sum) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nn = _mm256_set1_ps((float)n);
+    const __m256 live0 = _mm256_cmp_ps(lane, nn, _CMP_LT_OQ);
+    const __m256 live1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f)), nn, _CMP_LT_OQ);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 x0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s), live0);
+    const __m256 x1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + 8), live1);
+    __m256 t = _mm256_max_ps(x0, x1);
+    t = _mm256_max_ps(t, _mm256_permute2f128_ps(t, t, 1));
+    t = _mm256_max_ps(t, _mm256_permute_ps(t, 0x4E));
+    t = _mm256_max_ps(t, _mm256_permute_ps(t, 0xB1));
+    const float hi = _mm256_cvtss_f32(t);
+    *top = hi > m ? hi : m;
+    const __m256 tv = _mm256_set1_ps(*top);
+    const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(x0, tv)), live0);
+    const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(x1, tv)), live1);
+    _mm256_storeu_ps(s, p0);
+    _mm256_storeu_ps(s + 8, p1);
+    __m256 u = _mm256_add_ps(p0, p1);
+    u = _mm256_add_ps(u, _mm256_permute2f128_ps(u, u, 1));
+    u = _mm256_add_ps(u, _mm256_permute_ps(u, 0x4E));
+    u = _mm256_add_ps(u, _mm256_permute_ps(u, 0xB1));
+    *sum = _mm256_cvtss_f32(u);
+}
+#endif
+
+static void prefill_item(const float *restrict q, int64_t q_stride, const kv_t *restrict k_cache,
+                         const kv_t *restrict v_cache, const int32_t *restrict table, int64_t pos0, int64_t nq,
+                         int64_t kvh, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         float scale, float *restrict out) {
+    /* q, out: the item's first position, at its kv head's first query head; q_stride floats
+     * between positions. Row r is position r / group, head r % group; positions pos0 .. pos0+nq-1. */
+    float acc[PREFILL_ROWS * MAX_DIM]; /* row r at r * head_dim: rows MAX_DIM apart alias in L1 */
+    float m[PREFILL_ROWS], l[PREFILL_ROWS], ss[PREFILL_ROWS][MAX_BLOCK];
+    const int64_t rows = nq * group, row = num_kv_heads * head_dim;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] = 0.0f;
+    }
+    for (int64_t start = 0; start < pos0 + nq; start += block_size) {
+        const int64_t base = (int64_t)table[start / block_size] * block_size * row + kvh * head_dim;
+        const kv_t *kb = k_cache + base, *vb = v_cache + base;
+        const int64_t keys = pos0 + nq - start < block_size ? pos0 + nq - start : block_size;
+#ifdef TM_DOT8
+        const int tiled = head_dim % 8 == 0 && block_size <= 16;
+        if (tiled) prefill_scores(q, q_stride, kb, row, keys, rows, group, head_dim, scale, ss);
+#else
+        const int tiled = 0;
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t n = pos0 + r / group + 1 - start; /* the row's keys in this block: causal */
+            if (n <= 0) continue;
+            n = n < block_size ? n : block_size;
+            float *s = ss[r], top = m[r], sum = 0.0f;
+#ifdef TM_DOT8
+            if (tiled) {
+                softmax16(s, n, m[r], &top, &sum);
+            } else
+#endif
+            {
+                const float *qr = q + (r / group) * q_stride + (r % group) * head_dim;
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = dot(qr, kb + j * row, head_dim) * scale;
+                    top = s[j] > top ? s[j] : top;
+                }
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = tm_expf(s[j] - top);
+                    sum += s[j];
+                }
+            }
+            if (top > m[r]) { /* rescale what was accumulated under the old maximum */
+                const float c = tm_expf(m[r] - top);
+                l[r] = l[r] * c + sum;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] *= c;
+                m[r] = top;
+            } else {
+                l[r] += sum;
+            }
+#ifdef TM_DOT8
+            if (head_dim % 64 == 0) { /* 64 columns at a time, held in registers across the block */
+                for (int64_t d = 0; d < head_dim; d += 64) pv64(s, vb + d, row, n, acc + r * head_dim + d);
+                continue;
+            }
+#endif
+            for (int64_t j = 0; j < n; j++) {
+                const float p = s[j];
+                const kv_t *v = vb + j * row;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] += p * (float)v[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        float *o = out + (r / group) * q_stride + (r % group) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[r * head_dim + d] * inv;
+    }
+}
+
+void KV_NAME(tm_prefill_attention)(const float *q, const kv_t *k_cache, const kv_t *v_cache,
+                                   const int32_t *block_tables, int64_t table_stride, const int32_t *query_start,
+                                   const int32_t *seq_lens, const int32_t *seqs, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                   int64_t num_threads, float *out) {
+    /* Every query row of the sequences seqs[0 .. num_seqs - 1], whose new tokens are the last q_len
+     * of their context (the whole prompt, or a chunk after cached tokens, already stored). Work
+     * items: each sequence's positions in runs of `per` (PREFILL_ROWS rows of a group), times its
+     * kv heads; the last runs first, as they have the longest contexts to walk. */
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t per = PREFILL_ROWS / group > 0 ? PREFILL_ROWS / group : 1;
+    int64_t first[num_seqs + 1]; /* work items before sequence i */
+    first[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t q_len = query_start[seqs[i] + 1] - query_start[seqs[i]];
+        first[i + 1] = first[i] + (q_len + per - 1) / per * num_kv_heads;
+    }
+    const int64_t total = first[num_seqs];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t w = 0; w < total; w++) {
+        int64_t i = 0;
+        while (first[i + 1] <= w) i++;
+        const int64_t seq = seqs[i], runs = (first[i + 1] - first[i]) / num_kv_heads;
+        const int64_t run = runs - 1 - (w - first[i]) / num_kv_heads, kvh = (w - first[i]) % num_kv_heads;
+        const int64_t q_len = query_start[seq + 1] - query_start[seq];
+        const int64_t nq = q_len - run * per < per ? q_len - run * per : per;
+        const int64_t t = query_start[seq] + run * per; /* the item's first query row */
+        const int64_t at = (t * num_heads + kvh * group) * head_dim;
+        prefill_item(q + at, num_heads * head_dim, k_cache, v_cache, block_tables + seq * table_stride,
+                     seq_lens[seq] - q_len + run * per, nq, kvh, group, num_kv_heads, head_dim, block_size, scale,
+                     out + at);
     }
 }
