@@ -294,33 +294,12 @@ class CpuAttention(TorchAttention):
             self._kmeta = meta
         q = q.contiguous()
         out = torch.empty_like(q)
+        context = (q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+        lib = self._lib
         if self._row_seq.numel():
-            cpu_kernels.paged_attention(
-                self._lib,  # type: ignore[arg-type]
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                self._rows,
-                self._row_seq,
-                scale,
-                out,
-            )
+            cpu_kernels.paged_attention(lib, *context, self._rows, self._row_seq, scale, out)  # type: ignore[arg-type]
         if self._prefill_seqs.numel():
-            cpu_kernels.prefill_attention(
-                self._lib,  # type: ignore[arg-type]
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                self._prefill_seqs,
-                scale,
-                out,
-            )
+            cpu_kernels.prefill_attention(lib, *context, self._prefill_seqs, scale, out)  # type: ignore[arg-type]
         return out
 
     def _plan_kernel(self, meta: AttentionMetadata) -> None:

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -156,27 +157,9 @@ def paged_attention(
     place from the caches, for each r in `rows` (None: every row), whose sequence is the same
     entry of `row_seq`. int32 metadata, fp32 contiguous tensors on the CPU: the caller checks
     (the C side trusts every pointer and shape); the caches fp32 or fp16."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
     fn = lib.tm_paged_attention_f16 if k_cache.dtype == torch.float16 else lib.tm_paged_attention
-    fn(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        query_start.data_ptr(),
-        seq_lens.data_ptr(),
-        None if rows is None else rows.data_ptr(),
-        row_seq.data_ptr(),
-        row_seq.shape[0],
-        num_heads,
-        k_cache.shape[2],
-        head_dim,
-        k_cache.shape[1],
-        scale,
-        torch.get_num_threads(),
-        out.data_ptr(),
-    )
+    which = (None if rows is None else rows.data_ptr(), row_seq.data_ptr(), row_seq.shape[0])
+    _attention(fn, q, k_cache, v_cache, block_tables, query_start, seq_lens, which, scale, out)
 
 
 def prefill_attention(
@@ -194,8 +177,34 @@ def prefill_attention(
     """out's rows of the sequences `seqs` (int32) = their queries' causal attention over their
     contexts, read in place from the caches (this step's keys and values already stored): whole
     prompts and chunks after cached tokens alike. The same contract as `paged_attention`."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
     fn = lib.tm_prefill_attention_f16 if k_cache.dtype == torch.float16 else lib.tm_prefill_attention
+    _attention(
+        fn,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start,
+        seq_lens,
+        (seqs.data_ptr(), seqs.shape[0]),
+        scale,
+        out,
+    )
+
+
+def _attention(
+    fn: Any,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start: Tensor,
+    seq_lens: Tensor,
+    which: tuple[int | None, ...],
+    scale: float,
+    out: Tensor,
+) -> None:
+    """The two kernels' common arguments around `which` (the rows or sequences to attend)."""
     fn(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -204,11 +213,10 @@ def prefill_attention(
         block_tables.stride(0),
         query_start.data_ptr(),
         seq_lens.data_ptr(),
-        seqs.data_ptr(),
-        seqs.shape[0],
-        num_heads,
+        *which,
+        q.shape[1],
         k_cache.shape[2],
-        head_dim,
+        q.shape[2],
         k_cache.shape[1],
         scale,
         torch.get_num_threads(),
