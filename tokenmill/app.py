@@ -56,7 +56,7 @@ def create_app(settings: Settings, engine: AsyncEngine, parts: Parts) -> Litesta
     from tokenmill.ops import health, metrics, openapi_json
 
     sessionmaker = make_sessionmaker(engine)
-    bus = make_bus(settings)
+    bus = make_bus(settings, host=True)
     handlers: list[Any] = []
     before_send: list[Any] = []  # hooks on every message the app sends
     after_exception: list[Any] = []  # hooks on every exception, before it is answered

@@ -33,11 +33,13 @@ import urllib.parse
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
 import msgspec
 
+from tokenmill.journal import Journal, JournalBusy
 from tokenmill.protocol import USAGE
 
 if TYPE_CHECKING:
@@ -63,6 +65,8 @@ STREAM_MAXLEN: dict[str, int | None] = {USAGE: 2_000_000}
 # reads behind all the groups reading it (XTRIM MINID), so it is bounded by need. Fan-out
 # streams (workers, KV) stay capped: gateways tail them and nothing waits for them.
 REDIS_STREAM_MAXLEN: dict[str, int | None] = {USAGE: None}
+# Streams a server's `MemoryBus` keeps on disk until acknowledged, so a crash loses none.
+JOURNALED = (USAGE,)
 # Seconds a group's pending entry must sit idle (since its last delivery) before another
 # consumer claims it (XAUTOCLAIM): its consumer is presumed dead, and a restarted one has a new
 # name (hostname-pid; pods are renamed on every restart), so nobody else would ever read it.
@@ -218,10 +222,19 @@ class _Stream:
 
 
 class MemoryBus(EventBus):
-    """In-process bus for the embedded mode. Not shared between processes."""
+    """In-process bus for the embedded mode. Not shared between processes.
+
+    With `journal_dir`, the streams of `JOURNALED` (usage: money) are also kept on disk until
+    their groups acknowledge them (`tokenmill.journal`), and what a crashed predecessor left
+    unacknowledged is published again, under its old ids, before anything new.
+    """
 
     def __init__(
-        self, *, maxlen: int = DEFAULT_MAXLEN, stream_maxlen: Mapping[str, int | None] | None = None
+        self,
+        *,
+        maxlen: int = DEFAULT_MAXLEN,
+        stream_maxlen: Mapping[str, int | None] | None = None,
+        journal_dir: Path | None = None,
     ):
         self._maxlen = maxlen
         self._stream_maxlen = stream_maxlen_of(stream_maxlen)
@@ -230,6 +243,26 @@ class MemoryBus(EventBus):
         # replaying them; None once caught up (then new entries are delivered).
         self._replay: dict[tuple[str, str, str], StreamID | None] = {}
         self._closed = False
+        self._journals: dict[str, Journal] = {}
+        for stream in JOURNALED if journal_dir is not None else ():
+            self._open_journal(stream, journal_dir / f"{stream.replace(':', '-')}.journal")
+
+    def _open_journal(self, stream: str, path: Path) -> None:
+        try:
+            journal = Journal(path)
+        except JournalBusy:
+            # Two servers on one home: the first keeps the journal; this one runs without.
+            log.warning("bus: %s is in use by another server; %s is kept in memory only", path, stream)
+            return
+        st = self._stream(stream)
+        recovered = journal.recover()
+        for entry_id, data in recovered:
+            st.ids.append(parse_id(entry_id))
+            st.entries.append((entry_id, data))
+        if recovered:
+            st.last = st.ids[-1]
+            log.warning("bus: %d unacknowledged entries of %s delivered again", len(recovered), stream)
+        self._journals[stream] = journal
 
     def _stream(self, name: str) -> _Stream:
         st = self._streams.get(name)
@@ -249,6 +282,10 @@ class MemoryBus(EventBus):
         # Approximate like MAXLEN ~: trim in chunks so the list shift is amortised.
         if len(st.ids) > maxlen + max(1, maxlen // 10):
             excess = len(st.ids) - maxlen
+            journal = self._journals.get(name)
+            if journal is not None:
+                for entry_id, _ in st.entries[:excess]:
+                    journal.forget(entry_id)
             del st.ids[:excess]
             del st.entries[:excess]
 
@@ -260,6 +297,9 @@ class MemoryBus(EventBus):
         sid = self._next_id(st)
         st.last = sid
         entry_id = format_id(sid)
+        journal = self._journals.get(stream)
+        if journal is not None:
+            journal.append(entry_id, data)  # before anyone can read (and ack) it
         st.ids.append(sid)
         st.entries.append((entry_id, data))
         self._trim(stream, st)
@@ -352,16 +392,19 @@ class MemoryBus(EventBus):
     async def ack(self, stream: str, group: str, *ids: str) -> int:
         st = self._streams.get(stream)
         g = st.groups.get(group) if st else None
-        if g is None:
+        if st is None or g is None:
             return 0
-        n = 0
+        done = []
         for entry_id in ids:
             sid = parse_id(entry_id)
             consumer = g.owner.pop(sid, None)
             if consumer is not None:
                 g.pending[consumer].pop(sid, None)
-                n += 1
-        return n
+                done.append(entry_id)
+        journal = self._journals.get(stream)
+        if journal is not None:
+            journal.ack(group, set(st.groups), done)
+        return len(done)
 
     async def replay_pending(self, stream: str, group: str, consumer: str) -> None:
         self._replay[(stream, group, consumer)] = (0, 0)
@@ -371,6 +414,8 @@ class MemoryBus(EventBus):
         self._closed = True
         for st in self._streams.values():
             st.wakeup.set()
+        for journal in self._journals.values():
+            journal.close()
 
 
 # --- Redis ------------------------------------------------------------------------------
@@ -710,14 +755,15 @@ class HttpPublisher(Publisher):
 # --- factories --------------------------------------------------------------------------
 
 
-def make_bus(settings: Settings, **kwargs: Any) -> EventBus:
-    """The bus a server hosts: Redis when REDIS_URL is set, else in memory.
+def make_bus(settings: Settings, *, host: bool = False, **kwargs: Any) -> EventBus:
+    """A bus: Redis when REDIS_URL is set, else in memory; the one a server hosts (`host`)
+    keeps its usage events in a journal under HOME/bus until the ledger has them.
 
     `kwargs` go to the constructor (`maxlen`, `stream_maxlen`).
     """
     if settings.redis_url:
         return RedisBus.from_url(settings.redis_url, timeout=settings.redis_timeout_seconds, **kwargs)
-    return MemoryBus(**kwargs)
+    return MemoryBus(journal_dir=settings.home_dir / "bus" if host else None, **kwargs)
 
 
 def make_publisher(settings: Settings) -> Publisher:
