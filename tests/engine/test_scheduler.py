@@ -9,6 +9,7 @@ reads exactly its own prefix (so stale or foreign blocks would be caught); the f
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -43,7 +44,7 @@ def make_seq(
     )
 
 
-def make_sched(num_blocks: int = 64, *, caching: bool = True, **cfg: int) -> tuple[Scheduler, BlockManager]:
+def make_sched(num_blocks: int = 64, *, caching: bool = True, **cfg: Any) -> tuple[Scheduler, BlockManager]:
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
     return Scheduler(SchedulerConfig(**cfg), bm), bm
 
@@ -256,6 +257,47 @@ def test_priority_then_arrival_ordering() -> None:
     eng.run()
     order = [o.batch[0][0] for o in eng.outputs]
     assert order == [chat_early, chat_late, batch_old]
+
+
+def _admitted(eng: FakeEngine) -> list[int]:
+    """Prompt lengths in the order their sequences were first scheduled."""
+    eng.run()
+    seen: list[int] = []
+    for out in eng.outputs:
+        seen += [seq.num_prompt_tokens for seq, _ in out.batch if seq.num_prompt_tokens not in seen]
+    return seen
+
+
+def _burst(sched: Scheduler, arrivals_and_lengths: list[tuple[float, int]]) -> None:
+    for i, (arrival, n) in enumerate(arrivals_and_lengths):
+        sched.add(make_seq([100 * i + t for t in range(n)], max_tokens=1, arrival=arrival))
+
+
+def test_a_burst_is_admitted_shortest_prompt_first() -> None:
+    """Within the window of a burst's first arrival: shortest first. A later prompt, however
+    short, does not overtake the burst: its own burst starts at its arrival."""
+    sched, _ = make_sched(max_num_seqs=1)
+    _burst(sched, [(10.0, 40), (10.2, 10), (10.5, 30), (10.9, 20), (11.0, 5), (11.3, 8)])
+    assert _admitted(FakeEngine(sched)) == [10, 20, 30, 40, 5, 8]
+
+
+@pytest.mark.parametrize("cfg", [{"policy": "fcfs"}, {"shortest_first_window": 0.0}])
+def test_arrival_order_under_fcfs_or_without_the_window(cfg: dict[str, Any]) -> None:
+    sched, _ = make_sched(max_num_seqs=1, **cfg)
+    _burst(sched, [(10.0, 40), (10.2, 10), (10.5, 30), (10.9, 20)])
+    assert _admitted(FakeEngine(sched)) == [40, 10, 30, 20]
+
+
+def test_shortest_first_stays_within_a_key() -> None:
+    """The window orders a tenant's own burst; between tenants, service still decides."""
+    sched, _ = make_sched(max_num_seqs=1)
+    for i, (key, n) in enumerate([("a", 30), ("a", 12), ("b", 20), ("b", 8)]):
+        seq = make_seq([100 * i + t for t in range(n)], max_tokens=1, arrival=10.0 + i / 10)
+        seq.fairness_key = key
+        sched.add(seq)
+    # Each key's shortest first (a's burst began earlier, so a goes first); then whichever
+    # key is less served: b, having used 8 + 1 tokens to a's 12 + 1.
+    assert _admitted(FakeEngine(sched)) == [12, 8, 20, 30]
 
 
 def test_abort_frees_blocks_running_and_waiting() -> None:

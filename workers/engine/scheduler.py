@@ -7,17 +7,21 @@ are split into chunks across steps.
 
 Admission order, policy "fair" (the default): the best (lowest) priority class first; within
 it, the fairness key (tenant) that received the least service so far (virtual token counters,
-see `fairness.py`); within the key, arrival order. Such a waiting sequence also goes ahead of
-the next chunk of a running one of a worse class or a more-served key. Policy "fcfs":
-(priority, arrival), after every running chunk. Both are work-conserving: whoever waits and
-fits runs, whatever the counters say. The head chosen does not get overtaken when it does not
-fit the KV pool: blocks come back as running sequences finish, and letting smaller requests
-pass would starve large ones.
+see `fairness.py`); within the key, arrival order by bursts: the sequences that arrive within
+`shortest_first_window` seconds of the first of a burst (its cohort) are admitted shortest
+prompt first, which brings a burst's median time to first token down (64 prompts of 32-512
+tokens at once: the shortest half no longer waits behind the longest ones) without letting a
+prompt be overtaken by anything that arrived more than the window after it. Such a waiting
+sequence also goes ahead of the next chunk of a running one of a worse class or a more-served
+key. Policy "fcfs": (priority, arrival), after every running chunk. Both are
+work-conserving: whoever waits and fits runs, whatever the counters say. The head chosen does
+not get overtaken when it does not fit the KV pool: blocks come back as running sequences
+finish, and letting smaller requests pass would starve large ones.
 
 When a running sequence cannot get a block, a victim is preempted by recompute: from the
 lowest priority class, the most-served key (fair; all keys are one under fcfs), its newest
 sequence. Its blocks are freed, `num_computed_tokens` goes back to 0 and it waits again under
-its old arrival, which puts it ahead of its key's later requests. When rescheduled, all its
+its old arrival (and burst), which puts it ahead of its key's later requests. When rescheduled, all its
 `token_ids` (prompt and generated) are computed again as one "prompt", mostly from the prefix
 cache if its blocks were not evicted meanwhile.
 
@@ -56,6 +60,9 @@ class SchedulerConfig:
     # default: a generated token costs about two prompt tokens on a GPU).
     prompt_weight: float = 1.0
     output_weight: float = 2.0
+    # Seconds: a key's (and class's) waiting sequences that arrived within this long of the first
+    # of their burst are admitted shortest first; 0 = strict arrival order (always so under fcfs).
+    shortest_first_window: float = 1.0
     # Keys whose counters are within this much of the least one count as equally served, and
     # the one with the fewest sequences running goes first: a light tenant that just got one
     # request through does not then wait behind a flood that is a few tokens behind it. Fairness
@@ -73,6 +80,7 @@ class SchedulerConfig:
             or self.prompt_weight < 0
             or self.output_weight < 0
             or self.fairness_slack < 0
+            or self.shortest_first_window < 0
         ):
             raise ValueError(f"invalid scheduler config: {self}")
 
@@ -91,8 +99,8 @@ class SchedulerOutput:
         return sum(n for _, n in self.batch)
 
 
-# A waiting sequence in its key's heap: arrival order, ties by id.
-_Entry = tuple[float, int, Sequence]
+# A waiting sequence in its key's heap: (cohort, prompt tokens or 0, arrival, id, sequence).
+_Entry = tuple[float, int, float, int, Sequence]
 
 
 class Scheduler:
@@ -113,6 +121,9 @@ class Scheduler:
         self._num_waiting = 0
         self._fair = config.policy == "fair"
         self._slack = float(config.fairness_slack or 0.0)
+        self._window = config.shortest_first_window if self._fair else 0.0
+        # (class, key) -> the first arrival of its current burst (`shortest_first_window`)
+        self._cohorts: dict[tuple[int, Key], float] = {}
         self.service = ServiceCounters(config.prompt_weight, config.output_weight)
         self._by_request: dict[str, list[Sequence]] = {}  # n > 1 samples share a request id
         self.preemptions = 0
@@ -140,6 +151,14 @@ class Scheduler:
                 f"({bm.num_blocks} blocks of {bm.block_size})"
             )
         self.service.add(self._key(seq))
+        if self._window:
+            at = (seq.priority, self._key(seq))
+            start = self._cohorts.get(at)
+            if start is None or not seq.arrival - start < self._window:
+                start = self._cohorts[at] = seq.arrival
+            seq.cohort = start
+        else:
+            seq.cohort = seq.arrival
         self._push(seq)
         self._by_request.setdefault(seq.request_id, []).append(seq)
 
@@ -292,7 +311,7 @@ class Scheduler:
                     bound = min(service[k] for k in queues) + slack
                     key = min(
                         (k for k in queues if service[k] <= bound),
-                        key=lambda k: (service.running(k), service[k], queues[k][0][:2]),
+                        key=lambda k: (service.running(k), service[k], queues[k][0][:-1]),
                     )
                 heap = queues[key]
                 while heap and heap[0][-1].status is not Status.WAITING:
@@ -300,6 +319,7 @@ class Scheduler:
                 if heap:
                     return heap[0]
                 del queues[key]
+                self._cohorts.pop((priority, key), None)
             del self._queues[priority]
         return None
 
@@ -310,6 +330,7 @@ class Scheduler:
         entry = heapq.heappop(queues[key])
         if not queues[key]:
             del queues[key]
+            self._cohorts.pop((seq.priority, key), None)
             if not queues:
                 del self._queues[seq.priority]
         return entry
@@ -392,7 +413,8 @@ class Scheduler:
         self._push(seq)
 
     def _push(self, seq: Sequence) -> None:
-        heapq.heappush(self._queue(seq), (seq.arrival, seq.seq_id, seq))
+        size = seq.num_tokens if self._window else 0
+        heapq.heappush(self._queue(seq), (seq.cohort, size, seq.arrival, seq.seq_id, seq))
         self._num_waiting += 1
         self.service.wait(self._key(seq))
 

@@ -37,6 +37,9 @@ class Sequence:
     arrival: float = 0.0
     scheduled_at: float = 0.0
     first_token_at: float = 0.0
+    # The arrival of the first sequence of its burst (set by the scheduler): within a burst the
+    # shortest prompt is admitted first (`SchedulerConfig.shortest_first_window`).
+    cohort: float = 0.0
     cache_salt: str | None = None
     adapter_id: str | None = None
     fairness_key: str | None = None
