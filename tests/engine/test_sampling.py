@@ -16,6 +16,7 @@ from workers.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
     filtered_probs,
+    greedy,
     make_generator,
 )
 
@@ -353,3 +354,15 @@ def test_from_wire_round_trip() -> None:
     assert SamplingParams.from_wire(protocol.SamplingParams()) == SamplingParams()
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_wire(protocol.SamplingParams(temperature=-1))
+
+
+def test_greedy_is_argmax_ties_and_all() -> None:
+    """`greedy` (max's indices, faster) picks exactly what argmax picks: the first of tied
+    maxima, a NaN where one is, the first column of a row that is all -inf."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 3, (64, 4099), generator=g).float()  # many ties per row
+    x[1] = -math.inf
+    x[2, 17] = math.nan
+    x[3, 4000:] = 5.0
+    assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert greedy(x)[:4].tolist() == [x[0].argmax().item(), 0, 17, 4000]

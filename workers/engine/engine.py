@@ -25,7 +25,7 @@ from workers.engine.lora import AdapterError, LoraAdapter, load_adapter
 from workers.engine.lora_layers import LoraState, attach_lora, select_lora_backend
 from workers.engine.lora_slots import AdapterSlots
 from workers.engine.runner import ModelRunner
-from workers.engine.sampling import SampleOutput, Sampler, SampleRow, SamplingParams, make_generator
+from workers.engine.sampling import SampleOutput, Sampler, SampleRow, SamplingParams, greedy, make_generator
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.spec import NgramProposer
@@ -525,7 +525,7 @@ class LLMEngine:
         one after its last kept draft (where the sampler picks the next token: the model's own
         token instead of the first rejected draft, or one more if all were kept), and how many
         drafts each speculating sequence kept."""
-        targets = logits.argmax(dim=-1).tolist()
+        targets = greedy(logits).tolist()
         rows: list[int] = []
         accepted: dict[int, int] = {}
         row = 0
