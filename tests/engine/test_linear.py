@@ -1,6 +1,7 @@
-"""The projections from oneDNN-packed weights (workers/engine/linear.py) against `F.linear` on
-the plain weights: every row count a step can have, with and without bias, a LoRA-adapted
-projection, and the whole engine's greedy tokens with the packing on and off."""
+"""The projections from packed weights (workers/engine/linear.py: oneDNN's layout, or the panels
+of csrc/gemm.c on AVX-512 CPUs) against `F.linear` on the plain weights: every row count a step
+can have (both sides of `PANEL_ROWS`), with and without bias, strided inputs, and the whole
+engine's greedy tokens with the packing on and off."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.modelstore import resolve_model
-from workers.engine import linear
-from workers.engine.linear import Linear
+from workers.engine import cpu_kernels, linear
+from workers.engine.linear import PANEL_ROWS, Linear
 from workers.engine.llm import LLM
 from workers.engine.sampling import SamplingParams
 
@@ -21,22 +22,46 @@ ATOL = 5e-4
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
+LIB = cpu_kernels.load()
+PANELS = LIB is not None and LIB.tm_gemm_nr() > 0  # an AVX-512 CPU with the kernels built
+# Each way of packing this machine has: oneDNN's always, the panels where they run.
+WAYS = ["onednn", pytest.param("panels", marks=pytest.mark.skipif(not PANELS, reason="no AVX-512"))]
 
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("in_f", "out_f"), [(576, 960), (1536, 576), (16, 256), (7, 3)])
-def test_packed_projection_matches_f_linear_at_every_row_count(in_f: int, out_f: int, bias: bool) -> None:
+@pytest.mark.parametrize(("in_f", "out_f"), [(576, 960), (1536, 576), (16, 256), (7, 3), (40, 45)])
+def test_packed_projection_matches_f_linear_at_every_row_count(
+    in_f: int, out_f: int, bias: bool, way: str
+) -> None:
     torch.manual_seed(in_f + out_f)
     layer = Linear(in_f, out_f, bias=bias)
-    assert linear.pack(layer) == 1 and layer.packed is not None
-    for rows in (1, 2, 7, 64, 65, 300):
+    assert linear.pack(layer, lib=LIB if way == "panels" else None) == 1
+    assert (layer.packed is not None, layer.panels is not None) == (way == "onednn", way == "panels")
+    for rows in (1, 2, 7, 12, 13, 64, 65, 300, PANEL_ROWS, PANEL_ROWS + 1):
         x = torch.randn(rows, in_f)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=ATOL, rtol=0)
-    # A strided view (a slice of a wider activation), as the model's reshapes can hand it.
+    # A strided view (a slice of a wider activation), as the model's reshapes can hand it, and
+    # a batch with more dimensions.
     wide = torch.randn(9, 2 * in_f)
-    x = wide[:, :in_f]
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=ATOL, rtol=0)
+    for x in (wide[:, :in_f], wide[:, 1 : in_f + 1], torch.randn(3, 5, in_f)):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=ATOL, rtol=0)
     linear.unpack(layer)
-    assert layer.packed is None
+    assert layer.packed is None and layer.panels is None
+
+
+@pytest.mark.skipif(not PANELS, reason="no AVX-512")
+def test_a_rows_panel_result_does_not_depend_on_the_rest_of_the_batch() -> None:
+    """Each output of the panels is one sum over k in order: the same bits for a row alone, in
+    a batch of 64, or at any place in the batch (what batch-invariant decoding needs)."""
+    torch.manual_seed(0)
+    layer = Linear(576, 960, bias=False)
+    linear.pack(layer, lib=LIB)
+    x = torch.randn(64, 576)
+    batch = layer(x)
+    for i in (0, 11, 12, 63):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+    assert torch.equal(layer(x.flip(0)), batch.flip(0))
 
 
 def test_only_fp32_cpu_weights_are_packed() -> None:
@@ -73,12 +98,12 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
 def test_engine_greedy_tokens_are_the_same_packed_and_plain(smol: LLM) -> None:
     model = smol.engine.model
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    packed = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    packed = [m for m in model.modules() if isinstance(m, Linear) and (m.packed, m.panels) != (None, None)]
     assert len(packed) == 4 * smol.engine.model_config.num_layers + 1  # the engine packs by default
     fast = _greedy(smol, prompts)
     linear.unpack(model)
     try:
         plain = _greedy(smol, prompts)
     finally:
-        linear.pack(model)
+        linear.pack(model, lib=model.cpu_ops)
     assert fast == plain and all(len(t) == 24 for t in fast)

@@ -126,6 +126,12 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, _i64]
         for fn in (lib.tm_rms_norm, lib.tm_rope, lib.tm_store_kv, lib.tm_silu_mul):
             fn.restype = None
+        lib.tm_gemm_nr.argtypes = []
+        lib.tm_gemm_nr.restype = _i64
+        lib.tm_pack_panels.argtypes = [_ptr, _i64, _i64, _ptr]
+        lib.tm_pack_panels.restype = None
+        lib.tm_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
+        lib.tm_gemm.restype = None
         lib.tm_prefault.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         lib.tm_prefault.restype = _i64
         _lib = lib
@@ -288,6 +294,32 @@ def store_kv(lib: ctypes.CDLL, k: Tensor, v: Tensor, slots: Tensor, k_cache: Ten
         k_cache.dtype == torch.float16,
         torch.get_num_threads(),
     )
+
+
+def pack_panels(lib: ctypes.CDLL, weight: Tensor) -> Tensor | None:
+    """An fp32 Linear weight [n, k] in the panels `gemm` reads, or None where the CPU has no
+    AVX-512 (csrc/gemm.c)."""
+    width = lib.tm_gemm_nr()
+    if not width:
+        return None
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    panels = torch.empty(-(-n // width) * width * k, dtype=torch.float32)
+    lib.tm_pack_panels(w.data_ptr(), n, k, panels.data_ptr())
+    return panels
+
+
+def gemm(lib: ctypes.CDLL, x: Tensor, panels: Tensor, n: int) -> Tensor:
+    """x [..., k] (fp32) times the weight `panels` holds ([n, k], `pack_panels`): [..., n]."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    lib.tm_gemm(rows.data_ptr(), m, k, rows.stride(0), panels.data_ptr(), n, out.data_ptr(), n, threads)
+    return out.view(*x.shape[:-1], n)
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: Tensor) -> Tensor:

@@ -190,11 +190,13 @@ class LLMEngine:
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=device, backend=backend
         )
-        if isinstance(backend, CpuAttention) and config.dtype == torch.float32:
+        cpu_ops = backend.lib if isinstance(backend, CpuAttention) and config.dtype == torch.float32 else None
+        if cpu_ops is not None:
             # The C library that reads the paged cache in place also fuses the elementwise work.
-            self.model.use_cpu_ops(backend.lib)
-        # fp32 on the CPU: the projections run from weights packed once for oneDNN (linear.py).
-        linear.pack(self.model)
+            self.model.use_cpu_ops(cpu_ops)
+        # fp32 on the CPU: the projections run from weights packed once (linear.py): for the C
+        # library's small-batch kernel where the CPU has AVX-512, else for oneDNN.
+        linear.pack(self.model, lib=cpu_ops)
         tok_dir = config.tokenizer or (config.model if Path(config.model).is_dir() else None)
         if tok_dir is None:
             raise ValueError("a .gguf model needs `tokenizer`: a directory with tokenizer.json")

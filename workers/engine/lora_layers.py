@@ -141,7 +141,7 @@ class LoraLinear(Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.register_parameter("weight", base.weight)
         self.register_parameter("bias", base.bias)
-        self.packed = base.packed
+        self.packed, self.panels, self.lib = base.packed, base.panels, base.lib
         self.stack = stack
         self.state = state
 
