@@ -8,11 +8,11 @@ CPU freezing pass uses): 1.3x on the decoder's projections at 64 rows, 2x on the
 vocabulary-sized lm_head, 2-4x at 8 rows on this machine. The packed copy is exact fp32 math
 in another summation order (its own equality test in tests/engine/test_linear.py).
 
-Where the C kernels are built and the CPU has AVX-512, the weight is packed into the panels of
-csrc/gemm.c instead, for batches up to `PANEL_ROWS` rows (decode steps): 1.1-1.6x oneDNN's
-packed projections at 64 rows, 2x at 8. Larger batches (prefill steps) go to `F.linear` on the
-plain weight, where MKL's packing per call is amortised and runs as fast as oneDNN's packed copy
-(~300 GFLOP/s on two cores at 2048 rows): one packed copy either way, not two.
+Where the C kernels are built and the CPU has AVX-512, the weight is also packed into the
+panels of csrc/gemm.c, for batches up to `PANEL_ROWS` rows (decode steps): 1.1-1.6x oneDNN's
+packed projections at 64 rows, 2x at 8. Larger batches (prefill steps) stay with oneDNN: in
+process, `F.linear` ran 2048 rows as fast, but served (the gateway sharing the cores) the
+prefills took 1.25x as long with it. The cost is a second packed copy: the model's size again.
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ class Linear(nn.Linear):
     lib: Any = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.panels is not None:
-            if x.numel() > PANEL_ROWS * self.in_features:
-                return F.linear(x, self.weight, self.bias)
+        if self.panels is not None and x.numel() <= PANEL_ROWS * self.in_features:
             out = cpu_kernels.gemm(self.lib, x, self.panels, self.out_features)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is None:
@@ -55,19 +53,16 @@ def can_pack(weight: Tensor) -> bool:
 
 
 def pack(model: nn.Module, rows: int = 64, lib: Any = None) -> int:
-    """Prepack every Linear's weight of a loaded model: into csrc/gemm.c's panels with the C
-    kernels' `lib` on an AVX-512 CPU, else for oneDNN (`rows`: the batch it tunes the layout
-    for; any row count runs); returns how many were packed. Call again after the weights
-    change: the packed copies do not follow them."""
+    """Prepack every Linear's weight of a loaded model for oneDNN (`rows`: the batch it tunes
+    the layout for; any row count runs) and, with the C kernels' `lib` on an AVX-512 CPU, into
+    csrc/gemm.c's panels for small batches; returns how many were packed. Call again after the
+    weights change: the packed copies do not follow them."""
     n = 0
     for module in model.modules():
         if isinstance(module, Linear) and can_pack(module.weight):
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
             module.panels = None if lib is None else cpu_kernels.pack_panels(lib, module.weight)
             module.lib = lib if module.panels is not None else None
-            if module.panels is None:
-                module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-            else:
-                module.packed = None
             n += 1
     return n
 
