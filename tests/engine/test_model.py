@@ -242,6 +242,26 @@ def test_execute_returns_last_token_logits(loaded: tuple[TinyModel, LlamaForCaus
     torch.testing.assert_close(out[1], hf_logits(tiny.hf, b.token_ids)[-1], atol=ATOL, rtol=0)
 
 
+def test_last_layer_runs_sampled_rows_only(loaded: tuple[TinyModel, LlamaForCausalLM, ModelConfig]) -> None:
+    """`execute` asks the model for the sampled rows only; the CPU fast path then runs the last
+    layer's o_proj and MLP on those rows alone, and their logits equal the every-row forward's."""
+    _, model, cfg = loaded
+    fresh = [Seq(prompt(20, seed=11)), Seq(prompt(33, seed=12))]
+    runner, blocks = make_runner(model, cfg, block_size=4)
+    rows: list[int] = []
+    down = model.model.layers[-1].mlp.down_proj
+    hook = down.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0]))
+    try:
+        got = step_last_logits(runner, blocks, [(seq, len(seq.token_ids)) for seq in fresh])
+    finally:
+        hook.remove()
+    assert rows == [2 if model.cpu_ops is not None else 53]
+    again = [Seq(seq.token_ids) for seq in fresh]
+    runner, blocks = make_runner(model, cfg, block_size=4)
+    every = step_all_logits(runner, blocks, [(seq, len(seq.token_ids)) for seq in again])
+    torch.testing.assert_close(got, torch.stack([logits[-1] for logits in every]), atol=1e-5, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # Greedy decoding vs HF generate
 # --------------------------------------------------------------------------------------------

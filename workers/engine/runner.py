@@ -101,9 +101,12 @@ class ModelRunner:
     def _to_device(self, t: Tensor) -> Tensor:
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """Hidden states [T, hidden] of one step's tokens (their k/v land in the cache)."""
-        return self.model(input_ids, positions, self.kv_caches, meta)
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, keep: Tensor | None = None
+    ) -> Tensor:
+        """Hidden states [T, hidden] of one step's tokens, or of the rows `keep` only (every
+        token's k/v lands in the cache either way)."""
+        return self.model(input_ids, positions, self.kv_caches, meta, keep)
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> Tensor:
@@ -115,6 +118,11 @@ class ModelRunner:
         if self.lora is not None:  # each token's adapter slot, for the adapted projections
             self.lora.begin(batch, self.device)
             adapted = self.lora.batch is not None
+        last = meta.query_start_loc[1:].long() - 1
+        if num_logits is not None:
+            ends = last.tolist()
+            rows = [e - j for e, m in zip(ends, num_logits, strict=True) for j in range(m - 1, -1, -1)]
+            last = torch.tensor(rows, dtype=torch.int64, device=input_ids.device)
         graphs = self.graphs
         if (
             graphs is not None
@@ -123,13 +131,12 @@ class ModelRunner:
             and meta.max_query_len == 1
             and graphs.can_run(len(batch), meta.block_tables.shape[1])
         ):
-            hidden = graphs.run(input_ids, positions, meta)
+            hidden = graphs.run(input_ids, positions, meta)[last]
             self.graph_steps += 1
+        elif adapted or last.numel() == input_ids.numel():
+            hidden = self.forward(input_ids, positions, meta)[last]
         else:
-            hidden = self.forward(input_ids, positions, meta)
-        last = meta.query_start_loc[1:].long() - 1
-        if num_logits is not None:
-            ends = last.tolist()
-            rows = [e - j for e, m in zip(ends, num_logits, strict=True) for j in range(m - 1, -1, -1)]
-            last = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        return self.model.compute_logits(hidden[last])
+            # Only the sampled rows' hidden states go on: the model may skip the others'
+            # last-layer work (the adapted projections index adapters by token: all rows there).
+            hidden = self.forward(input_ids, positions, meta, last)
+        return self.model.compute_logits(hidden)

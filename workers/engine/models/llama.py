@@ -175,15 +175,17 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
+        keep: Tensor | None = None,
     ) -> Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden], or of the rows
+        `keep` only ([len(keep), hidden]: the rows whose logits are wanted)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         if self.cpu_ops is not None and h.dtype == torch.float32 and h.device.type == "cpu":
-            return self._forward_fused(h, cos, sin, kv_caches, meta)
+            return self._forward_fused(h, cos, sin, kv_caches, meta, keep)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+        return self.model.norm(h if keep is None else h[keep])
 
     def _forward_fused(
         self,
@@ -192,9 +194,13 @@ class LlamaForCausalLM(nn.Module):
         sin: Tensor,
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """The same layers with their elementwise work in the C ops: the residual stream is
-        added to in place, each add fused with the RMSNorm that follows it."""
+        added to in place, each add fused with the RMSNorm that follows it. With `keep`, the last
+        layer's o_proj and MLP run on those rows only: past its attention (which every row's
+        keys and values need) no other row is read, and in a prefill step that is ~1/30 of the
+        projections."""
         from workers.engine import cpu_kernels as ops
 
         lib = self.cpu_ops
@@ -203,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         residual = h.contiguous()  # the stream: embeddings, then += every attention and MLP output
         x = ops.rms_norm(lib, residual, self.model.layers[0].input_layernorm.weight, eps)  # type: ignore[arg-type]
         t = h.shape[0]
+        last = len(self.model.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             attn = layer.self_attn
             if i:  # the previous layer's MLP output joins the stream, then this layer's norm
@@ -214,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
             v = v.view(t, attn.num_kv_heads, attn.head_dim)
             ops.rope_(lib, q, k, cos, sin)  # type: ignore[arg-type]
             o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+            if i == last and keep is not None:
+                o, residual, t = o[keep], residual[keep], keep.numel()
             a = attn.o_proj(o.reshape(t, attn.q_size))
             x = ops.rms_norm(lib, a, layer.post_attention_layernorm.weight, eps, residual)  # type: ignore[arg-type]
             x = layer.mlp.down_proj(ops.silu_mul(lib, layer.mlp.gate_up_proj(x)))  # type: ignore[arg-type]
