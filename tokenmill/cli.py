@@ -68,6 +68,14 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
 
 
+def _say(message: str) -> None:
+    """A line on stderr that cannot stop a shutdown: when whatever read the server's output
+    has gone (a closed pipe), the write fails, and in a signal handler that failure left the
+    server running, its workers restarted, through every later SIGTERM."""
+    with contextlib.suppress(OSError):
+        click.echo(message, err=True)
+
+
 async def _serve_app(
     app: Litestar,
     sock: socket.socket,
@@ -117,8 +125,8 @@ async def _serve_app(
             server.force_exit = True
             server.should_exit = True
             return
-        click.echo("Stopping...", err=True)
         stopping.append(asyncio.create_task(stop()))
+        _say("Stopping...")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
@@ -244,7 +252,7 @@ async def _serve(settings: Settings) -> None:
         await _serve_app(app, sock, settings, before_exit=stop_workers)
     finally:
         await stop_workers()  # no-op unless serving failed
-        click.echo("Tokenmill stopped.", err=True)
+        _say("Tokenmill stopped.")
 
 
 async def _embed_spec(settings: Settings) -> EmbedSpec:

@@ -315,8 +315,9 @@ async def _serve(
         serving.result()  # startup failed: raise its exception
         log.error("server did not start")
         return 1
-    print(f"worker {identity.worker_id} ready on {identity.address} model={identity.model}", file=sys.stderr)
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # stderr's reader may be gone (see tokenmill.cli._say)
+        line = f"worker {identity.worker_id} ready on {identity.address} model={identity.model}"
+        print(line, file=sys.stderr, flush=True)
 
     tasks = [
         asyncio.create_task(

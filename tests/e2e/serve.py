@@ -179,16 +179,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None = None) -> Server:
-    """Start `tokenmill serve` with its home in `tmp` and wait until it is ready: it printed its
-    admin key and `/health` counts a worker (with the default settings the embeddings worker
-    may come later: `Server.wait_for_embeddings`).
-
-    The environment is this process's, without any database, Redis or secret settings (the
-    embedded default: SQLite in the home, in-process bus), with the model cache shared by the
-    session, two torch threads, and `extra_env` on top (`{"TOKENMILL_EMBED_MODEL": ""}` for no
-    embeddings worker, a short batch window...). The caller owns the server: `close()` it.
-    """
+def serve_env(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `start_server` runs a server in: this process's, without any database,
+    Redis or secret settings (the embedded default: SQLite in the home, in-process bus), with
+    its home in `tmp`, a free port, the model cache shared by the session, two torch threads,
+    and `extra_env` on top."""
     env = {
         **os.environ,
         "TOKENMILL_HOME": str(tmp / "home"),
@@ -199,6 +194,17 @@ def start_server(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None 
     }
     for var in ("DATABASE_URL", "REDIS_URL", "TOKENMILL_INTERNAL_TOKEN", "TOKENMILL_SECRET_KEY"):
         env.pop(var, None)
+    return env
+
+
+def start_server(tmp: Path, model_cache: Path, extra_env: dict[str, str] | None = None) -> Server:
+    """Start `tokenmill serve` in `serve_env(tmp, model_cache, extra_env)` and wait until it is
+    ready: it printed its admin key and `/health` counts a worker (with the default settings
+    the embeddings worker may come later: `Server.wait_for_embeddings`). `extra_env`:
+    `{"TOKENMILL_EMBED_MODEL": ""}` for no embeddings worker, a short batch window... The
+    caller owns the server: `close()` it.
+    """
+    env = serve_env(tmp, model_cache, extra_env)
     lines: list[str] = []
     proc = _spawn(env, lines)
     server = Server(proc, f"http://127.0.0.1:{env['TOKENMILL_PORT']}", tmp / "home", env, lines=lines)

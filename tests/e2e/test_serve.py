@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import os
 import signal
 import struct
 import subprocess
@@ -16,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.serve import EMBED_MODEL, MODEL, Server, start_server
+from tests.e2e.serve import EMBED_MODEL, MODEL, READY_TIMEOUT, ROOT, Server, serve_env, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -306,3 +308,38 @@ def test_killed_server_leaves_no_orphan(tmp_path: Path, model_cache: Path) -> No
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)], "worker outlived a killed serve"
+
+
+def test_sigterm_stops_serve_whose_output_reader_is_gone(tmp_path: Path, model_cache: Path) -> None:
+    """What read the server's output has died (a supervisor, a killed benchmark): every write to
+    it fails. SIGTERM still stops the server and its worker; it used to fail on its "Stopping..."
+    line and go on serving, restarting every worker killed by hand, through every SIGTERM."""
+    env = serve_env(tmp_path, model_cache, {"TOKENMILL_EMBED_MODEL": "", "TOKENMILL_LOG_LEVEL": "WARNING"})
+    read, write = os.pipe()
+    command = [sys.executable, "-m", "tokenmill.cli", "serve"]
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=write, stderr=write, text=True)
+    os.close(write)
+    os.set_blocking(read, False)
+    server = Server(proc, f"http://127.0.0.1:{env['TOKENMILL_PORT']}", tmp_path / "home", env)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                os.read(read, 1 << 16)  # drained meanwhile: a full pipe would block the server
+            assert proc.poll() is None, f"serve exited with {proc.returncode}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2).json().get("workers", 0) >= 1:
+                    break
+            assert time.monotonic() < deadline, "serve did not become ready"
+            time.sleep(0.2)
+        children = server.children()
+        assert children
+        os.close(read)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in children if _alive(p)], "worker outlived serve"
+    finally:
+        server.close()
