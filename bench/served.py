@@ -406,7 +406,14 @@ def table(rows: list[Figures]) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    # A SIGTERM (a run killed by hand or by a timeout) unwinds like Ctrl-C, through each
+    # server's `finally`: left behind, a `tokenmill serve` keeps a core busy for the next run.
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
