@@ -59,6 +59,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def has_amx_bf16() -> bool:
+    """Whether the CPU multiplies bf16 tiles (AMX), where oneDNN's bf16 products are fast."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def _cache_dir(cache: str | Path | None) -> Path:
     env = os.environ.get("TOKENMILL_KERNEL_CACHE")
     if env:
@@ -132,6 +137,9 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_pack_panels.restype = None
         lib.tm_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
         lib.tm_gemm.restype = None
+        lib.tm_greedy_pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64]
+        lib.tm_greedy_pick.argtypes += (_ptr, _ptr, _f32, _i64, _ptr, _i64)
+        lib.tm_greedy_pick.restype = None
         lib.tm_prefault.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         lib.tm_prefault.restype = _i64
         _lib = lib

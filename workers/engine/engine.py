@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from tokenmill.tokenization import IncrementalDetokenizer, StopStringMatcher, To
 from workers.engine import linear
 from workers.engine.attention import CpuAttention, select_backend
 from workers.engine.block_manager import BlockManager
+from workers.engine.greedy_head import GreedyHead
+from workers.engine.greedy_head import plain as plain_greedy
 from workers.engine.host_memory import Prefault, keep_freed_heap
 from workers.engine.kv_cache import EngineRegistry, allocate_kv_cache, kv_budget_bytes, num_blocks_for_budget
 from workers.engine.loader import load_model
@@ -197,6 +200,8 @@ class LLMEngine:
         # fp32 on the CPU: the projections run from weights packed once (linear.py): for the C
         # library's small-batch kernel where the CPU has AVX-512, else for oneDNN.
         linear.pack(self.model, lib=cpu_ops)
+        # Plain greedy rows take their tokens without the full fp32 logits where AMX pays for it.
+        self.greedy_head = GreedyHead.build(self.model.lm_head, cpu_ops)
         tok_dir = config.tokenizer or (config.model if Path(config.model).is_dir() else None)
         if tok_dir is None:
             raise ValueError("a .gguf model needs `tokenizer`: a directory with tokenizer.json")
@@ -445,19 +450,30 @@ class LLMEngine:
             return outputs
         started = time.perf_counter()
         accepted: dict[int, int] | None = None
-        if self.proposer is not None and any(seq.spec_token_ids for seq, _ in batch):
-            logits = self.runner.execute(batch, [1 + len(seq.spec_token_ids) for seq, _ in batch])
-            logits, accepted = self._verify(batch, logits)
-        else:
-            logits = self.runner.execute(batch)
         # Only sequences whose prompt (or recompute) completes in this step get a token.
         picks = [
             i
             for i, (seq, n) in enumerate(batch)
             if seq.num_computed_tokens + n == len(seq.token_ids) + len(seq.spec_token_ids)
         ]
+        result: SampleOutput | None = None
+        if self.proposer is not None and any(seq.spec_token_ids for seq, _ in batch):
+            logits = self.runner.execute(batch, [1 + len(seq.spec_token_ids) for seq, _ in batch])
+            logits, accepted = self._verify(batch, logits)
+        elif self.greedy_head is not None and all(plain_greedy(batch[i][0].params) for i in picks):
+            # Every token wanted is a plain argmax: no full logits (greedy_head.py).
+            hidden = self.runner.hidden(batch)
+            if len(picks) != hidden.shape[0]:
+                hidden = hidden[picks]
+            tokens = self.greedy_head(hidden) if picks else []
+            result = SampleOutput(tokens, [math.nan] * len(tokens), [[] for _ in tokens])
+        else:
+            logits = self.runner.execute(batch)
         sampled: dict[int, int] = {}
-        if picks:
+        if result is not None:
+            for j, i in enumerate(picks):
+                sampled[batch[i][0].seq_id] = result.token_ids[j]
+        elif picks:
             rows = []
             for i in picks:
                 seq = batch[i][0]

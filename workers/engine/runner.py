@@ -113,6 +113,11 @@ class ModelRunner:
         """Logits of the last new token of every sequence, float32 [num_seqs, vocab]; with
         `num_logits`, of the last `num_logits[i]` new tokens of sequence i, in order (to verify
         draft tokens), float32 [sum(num_logits), vocab]."""
+        return self.model.compute_logits(self.hidden(batch, num_logits))
+
+    @torch.inference_mode()
+    def hidden(self, batch: list[tuple[Sequence, int]], num_logits: list[int] | None = None) -> Tensor:
+        """What `execute` computes the logits of: the final hidden states of those rows."""
         input_ids, positions, meta = self.prepare(batch)
         adapted = False
         if self.lora is not None:  # each token's adapter slot, for the adapted projections
@@ -139,4 +144,4 @@ class ModelRunner:
             # Only the sampled rows' hidden states go on: the model may skip the others'
             # last-layer work (the adapted projections index adapters by token: all rows there).
             hidden = self.forward(input_ids, positions, meta, last)
-        return self.model.compute_logits(hidden)
+        return hidden

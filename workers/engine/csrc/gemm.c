@@ -14,6 +14,7 @@
  * Each output is one sum over k in order, whatever the batch or the threads: a row's result
  * does not depend on what else is in the step. Without AVX-512 tm_gemm_nr() is 0 and nothing
  * here is used. */
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
@@ -92,6 +93,84 @@ void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *pane
     }
 }
 
+/* Greedy tokens from a bf16 screen of the logits (workers/engine/greedy_head.py): for each of n
+ * rows of h [n][k] (rows hs apart), the argmax over v columns of w [v][k] of the fp32 logits the
+ * panels above compute (each one sum over k in order, fused multiply-adds from zero), without
+ * computing them all. s [n][v] holds bf16 bits of a cheap approximation whose error is at most
+ * c * hn[r] * wn[j] (hn, wn: norms of h's rows and w's, rounded up); a column can hold the argmax
+ * only if s_j + e_j >= max_i (s_i - e_i). Those candidates get their exact logit; the first
+ * largest wins, as argmax has it. out[r] = that token, or -1 when the row had more than `cap`
+ * candidates or anything not finite: the caller computes that row in full. */
+static inline float bf16_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The exact logit of column j: the panels' sum, in order. */
+static inline float exact(const float *x, const float *col, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t kk = 0; kk < k; kk++) acc = fmaf(x[kk], col[kk], acc);
+    return acc;
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+void tm_greedy_pick(const float *h, int64_t n, int64_t k, int64_t hs, const float *w, const uint16_t *s, int64_t v,
+                    const float *wn, const float *hn, float c, int64_t cap, int64_t *out, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 1)
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *row = s + r * v;
+        const float *x = h + r * hs;
+        const float scale = c * hn[r];
+        out[r] = -1;
+        if (!isfinite(scale)) continue;
+        /* lo = max_j (s_j - e_j); any NaN or infinity in the screen sends the row back. */
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 lov = _mm512_set1_ps(-INFINITY);
+        __mmask16 bad = 0;
+        int64_t j = 0;
+        for (; j + 16 <= v; j += 16) {
+            const __m512 sj = load_bf16(row + j);
+            bad |= _mm512_fpclass_ps_mask(sj, 0x99); /* NaN, +inf, -inf */
+            lov = _mm512_max_ps(lov, _mm512_fnmadd_ps(sc, _mm512_loadu_ps(wn + j), sj));
+        }
+        float lo = _mm512_reduce_max_ps(lov);
+        for (; j < v; j++) {
+            const float sj = bf16_float(row[j]);
+            bad |= !isfinite(sj);
+            lo = fmaxf(lo, sj - scale * wn[j]);
+        }
+        if (bad) continue;
+        /* The candidates, in column order: the first largest exact logit wins. */
+        const __m512 lo16 = _mm512_set1_ps(lo);
+        int64_t count = 0, best = -1;
+        float top = -INFINITY;
+        for (j = 0; j < v && count <= cap; j += 16) {
+            uint32_t hit;
+            if (j + 16 <= v) {
+                const __m512 up = _mm512_fmadd_ps(sc, _mm512_loadu_ps(wn + j), load_bf16(row + j));
+                hit = _mm512_cmp_ps_mask(up, lo16, _CMP_GE_OQ);
+            } else {
+                hit = 0;
+                for (int64_t q = j; q < v; q++) hit |= (uint32_t)(bf16_float(row[q]) + scale * wn[q] >= lo) << (q - j);
+            }
+            for (; hit && count <= cap; hit &= hit - 1) {
+                const int64_t col = j + __builtin_ctz(hit);
+                const float logit = exact(x, w + col * k, k);
+                count++;
+                if (!isfinite(logit)) count = cap + 1;
+                else if (logit > top) top = logit, best = col;
+            }
+        }
+        if (count <= cap) out[r] = best;
+    }
+}
+
 #else
 
 int64_t tm_gemm_nr(void) { return 0; }
@@ -99,6 +178,11 @@ void tm_pack_panels(const float *w, int64_t n, int64_t k, float *out) { (void)w,
 void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n, float *y, int64_t ys,
              int64_t num_threads) {
     (void)x, (void)m, (void)k, (void)xs, (void)panels, (void)n, (void)y, (void)ys, (void)num_threads;
+}
+void tm_greedy_pick(const float *h, int64_t n, int64_t k, int64_t hs, const float *w, const uint16_t *s, int64_t v,
+                    const float *wn, const float *hn, float c, int64_t cap, int64_t *out, int64_t num_threads) {
+    (void)h, (void)k, (void)hs, (void)w, (void)s, (void)v, (void)wn, (void)hn, (void)c, (void)cap, (void)num_threads;
+    for (int64_t r = 0; r < n; r++) out[r] = -1;
 }
 
 #endif
