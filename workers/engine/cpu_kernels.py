@@ -137,8 +137,11 @@ def load(cache: str | Path | None = None) -> ctypes.CDLL | None:
         lib.tm_pack_panels.restype = None
         lib.tm_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
         lib.tm_gemm.restype = None
-        lib.tm_greedy_pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64]
-        lib.tm_greedy_pick.argtypes += (_ptr, _ptr, _f32, _i64, _ptr, _i64)
+        lib.tm_greedy_pick.argtypes = [
+            *(_ptr, _i64, _i64, _i64),  # h, its rows, k, row stride
+            *(_ptr, _ptr, _i64),  # w, the screen, v
+            *(_ptr, _ptr, _f32, _i64, _ptr, _i64),  # norms, bound, cap, out, threads
+        ]
         lib.tm_greedy_pick.restype = None
         lib.tm_prefault.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         lib.tm_prefault.restype = _i64

@@ -469,11 +469,7 @@ class LLMEngine:
             result = SampleOutput(tokens, [math.nan] * len(tokens), [[] for _ in tokens])
         else:
             logits = self.runner.execute(batch)
-        sampled: dict[int, int] = {}
-        if result is not None:
-            for j, i in enumerate(picks):
-                sampled[batch[i][0].seq_id] = result.token_ids[j]
-        elif picks:
+        if result is None and picks:
             rows = []
             for i in picks:
                 seq = batch[i][0]
@@ -492,8 +488,9 @@ class LLMEngine:
             self._grammar_masks([batch[i][0] for i in picks], rows)
             # Every row sampled (the hot decode loop): no copy of the [B, vocab] logits.
             result = self.sampler(logits if len(picks) == logits.shape[0] else logits[picks], rows)
-            for j, i in enumerate(picks):
-                sampled[batch[i][0].seq_id] = result.token_ids[j]
+        sampled: dict[int, int] = {}
+        if result is not None:
+            sampled = {batch[i][0].seq_id: result.token_ids[j] for j, i in enumerate(picks)}
         self.scheduler.update(batch, sampled, accepted)
         if picks:
             for j, i in enumerate(picks):

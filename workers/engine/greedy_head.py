@@ -48,6 +48,12 @@ def bound(k: int) -> float:
     return (2.0**-8 + 2.0**-18 + 2.0**-8 * 1.01 + 2.02 * gamma) * 1.01
 
 
+def _norms(rows: Tensor) -> Tensor:
+    """Each row's norm, rounded up a little so the bound holds for it as fp32 holds it; the floor
+    covers the products of tiny values the tile unit flushes to zero."""
+    return (rows.double().norm(dim=1) * (1 + 1e-6) + FLOOR).float()
+
+
 def plain(params: SamplingParams) -> bool:
     """Whether a row's token is the argmax of the raw logits and nothing else is read of them."""
     return (
@@ -65,9 +71,7 @@ class GreedyHead:
         self.lib = lib
         w = head.weight.detach()
         self.weight = w.contiguous()
-        # Rounded up a little, so the bound holds for the norms as fp32 holds them; the floor
-        # covers the products of tiny values the tile unit flushes to zero.
-        self.norms = (w.double().norm(dim=1) * (1 + 1e-6) + FLOOR).float()
+        self.norms = _norms(w)
         self.screen = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
         self.c = bound(w.shape[1])
 
@@ -87,7 +91,7 @@ class GreedyHead:
             return greedy(self.head(hidden)).tolist()
         h = hidden.contiguous()
         s = torch.ops.mkldnn._linear_pointwise(h.bfloat16(), self.screen, None, "none", [], "")
-        hn = (h.double().norm(dim=1) * (1 + 1e-6) + FLOOR).float()
+        hn = _norms(h)
         out = torch.empty(n, dtype=torch.int64)
         v, k = self.weight.shape
         self.lib.tm_greedy_pick(
