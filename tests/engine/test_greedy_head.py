@@ -19,8 +19,8 @@ from workers.engine.sampling import SamplingParams, greedy
 from workers.engine.structured import Grammar
 
 LIB = cpu_kernels.load()
-# The head repeats the panels' sums (AVX-512) and screens in oneDNN's bf16 (fast with AMX, where
-# the engine turns it on; these tests run it wherever oneDNN has bf16 at all).
+# The head repeats the panels' sums (AVX-512) and screens in oneDNN's bf16 (fast with AMX or AVX-512
+# BF16, where the engine turns it on; these tests run it wherever oneDNN has bf16 at all).
 RUNS = (
     LIB is not None
     and LIB.tm_gemm_nr() > 0
@@ -117,11 +117,11 @@ def smol(model_cache: Path) -> LLM:
 
 
 def test_engine_greedy_tokens_are_the_same_with_the_head_on_and_off(smol: LLM) -> None:
-    """The engine's own head where the CPU has AMX, else one made for the test; a batch mixing
+    """The engine's own head where the CPU has bf16 dot products, else one made for the test; a batch mixing
     plain greedy rows with rows that want logprobs or sample (which take the full logits)."""
     engine = smol.engine
     own = engine.greedy_head
-    assert (own is not None) == cpu_kernels.has_amx_bf16()
+    assert (own is not None) == cpu_kernels.has_bf16_dot()
     engine.greedy_head = own or GreedyHead(engine.model.lm_head, engine.model.cpu_ops)
     torch.manual_seed(3)
     prompts = ["The capital of France is", "def fibonacci(n):", torch.randint(0, 49152, (40,)).tolist()]

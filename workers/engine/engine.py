@@ -200,7 +200,7 @@ class LLMEngine:
         # fp32 on the CPU: the projections run from weights packed once (linear.py): for the C
         # library's small-batch kernel where the CPU has AVX-512, else for oneDNN.
         linear.pack(self.model, lib=cpu_ops)
-        # Plain greedy rows take their tokens without the full fp32 logits where AMX pays for it.
+        # Plain greedy rows take their tokens without the full fp32 logits where bf16 pays for it.
         self.greedy_head = GreedyHead.build(self.model.lm_head, cpu_ops)
         tok_dir = config.tokenizer or (config.model if Path(config.model).is_dir() else None)
         if tok_dir is None:
