@@ -169,7 +169,11 @@ def inject(headers: dict[str, str]) -> None:
 
 def wall_ns(*monotonic: float) -> list[int]:
     """time.monotonic() readings (of any process of this host) as ns since the epoch."""
-    offset = time.time_ns() - time.monotonic_ns()
+    # The monotonic clock first: a preemption between the two reads then maps a reading a little
+    # later, never earlier, than its wall time; the other way round, a busy host could map it
+    # before a wall-clock time taken ahead of it (spans that start before their parent).
+    mono = time.monotonic_ns()
+    offset = time.time_ns() - mono
     return [offset + int(t * 1e9) for t in monotonic]
 
 
