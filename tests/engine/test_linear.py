@@ -1,5 +1,5 @@
 """The projections from packed weights (workers/engine/linear.py: oneDNN's layout, or the panels
-of csrc/gemm.c on AVX-512 CPUs) against `F.linear` on the plain weights: every row count a step
+of csrc/gemm.c on AVX-512 and AVX2 CPUs) against `F.linear` on the plain weights: every row count a step
 can have (both sides of `PANEL_ROWS`), with and without bias, strided inputs, and the whole
 engine's greedy tokens with the packing on and off."""
 
@@ -23,9 +23,9 @@ ATOL = 5e-4
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 LIB = cpu_kernels.load()
-PANELS = LIB is not None and LIB.tm_gemm_nr() > 0  # an AVX-512 CPU with the kernels built
+PANELS = LIB is not None and LIB.tm_gemm_nr() > 0  # AVX-512 or AVX2, the kernels built
 # Each way of packing this machine has: oneDNN's always, the panels where they run.
-WAYS = ["onednn", pytest.param("panels", marks=pytest.mark.skipif(not PANELS, reason="no AVX-512"))]
+WAYS = ["onednn", pytest.param("panels", marks=pytest.mark.skipif(not PANELS, reason="no AVX-512 or AVX2"))]
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -50,7 +50,7 @@ def test_packed_projection_matches_f_linear_at_every_row_count(
     assert layer.packed is None and layer.panels is None
 
 
-@pytest.mark.skipif(not PANELS, reason="no AVX-512")
+@pytest.mark.skipif(not PANELS, reason="no AVX-512 or AVX2")
 def test_a_rows_panel_result_does_not_depend_on_the_rest_of_the_batch() -> None:
     """Each output of the panels is one sum over k in order: the same bits for a row alone, in
     a batch of 64, or at any place in the batch (what batch-invariant decoding needs)."""

@@ -49,7 +49,8 @@ _failed = False
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (what the build was made for)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -62,7 +63,7 @@ def _cpu_flags() -> str:
 def has_bf16_dot() -> bool:
     """Whether the CPU has bf16 dot-product instructions (AMX tiles, or AVX-512 BF16 as on Zen 4),
     where oneDNN's bf16 products run at about twice its fp32 rate; without them it emulates bf16."""
-    flags = _cpu_flags().split()
+    flags = cpu_flags().split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -81,7 +82,7 @@ def _build(cache: str | Path | None) -> Path | None:
         log.warning("no C compiler: the CPU attention kernel is off (PyTorch attention instead)")
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [*(p.read_text() for p in sorted(CSRC.iterdir())), cc, version, " ".join(FLAGS), _cpu_flags()]
+    parts = [*(p.read_text() for p in sorted(CSRC.iterdir())), cc, version, " ".join(FLAGS), cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     out = _cache_dir(cache) / f"cpu_ops-{key}.so"
     if out.exists():
@@ -310,8 +311,8 @@ def store_kv(lib: ctypes.CDLL, k: Tensor, v: Tensor, slots: Tensor, k_cache: Ten
 
 
 def pack_panels(lib: ctypes.CDLL, weight: Tensor) -> Tensor | None:
-    """An fp32 Linear weight [n, k] in the panels `gemm` reads, or None where the CPU has no
-    AVX-512 (csrc/gemm.c)."""
+    """An fp32 Linear weight [n, k] in the panels `gemm` reads, or None where the CPU has neither
+    AVX-512 nor AVX2 and FMA (csrc/gemm.c)."""
     width = lib.tm_gemm_nr()
     if not width:
         return None

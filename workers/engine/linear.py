@@ -8,9 +8,10 @@ CPU freezing pass uses): 1.3x on the decoder's projections at 64 rows, 2x on the
 vocabulary-sized lm_head, 2-4x at 8 rows on this machine. The packed copy is exact fp32 math
 in another summation order (its own equality test in tests/engine/test_linear.py).
 
-Where the C kernels are built and the CPU has AVX-512, the weight is also packed into the
-panels of csrc/gemm.c, for batches up to `PANEL_ROWS` rows (decode steps): 1.1-1.6x oneDNN's
-packed projections at 64 rows, 2x at 8. Larger batches (prefill steps) stay with oneDNN: in
+Where the C kernels are built and the CPU has AVX-512 (or AVX2 and FMA), the weight is also
+packed into the panels of csrc/gemm.c, for batches up to `PANEL_ROWS` rows (decode steps):
+1.1-1.6x oneDNN's packed projections at 64 rows, 2x at 8 (AVX2 on a Zen EPYC: 1.19x at 64 rows,
+1.5x at 8, level at 256, 0.95x at 384). Larger batches (prefill steps) stay with oneDNN: in
 process, `F.linear` ran 2048 rows as fast, but served (the gateway sharing the cores) the
 prefills took 1.25x as long with it. The cost is a second packed copy: the model's size again.
 """
@@ -26,7 +27,8 @@ from torch import Tensor, nn
 from workers.engine import cpu_kernels
 
 # Rows up to which the panels of csrc/gemm.c run a projection; measured on two AVX-512 cores,
-# the panels lead up to ~256 rows and all three ways are alike from ~384 to 1024.
+# the panels lead up to ~256 rows and all three ways are alike from ~384 to 1024 (with AVX2 the
+# lead ends at ~256 too; one limit for both, the rows between are rare: mixed steps' tails).
 PANEL_ROWS = 384
 
 
@@ -54,7 +56,7 @@ def can_pack(weight: Tensor) -> bool:
 
 def pack(model: nn.Module, rows: int = 64, lib: Any = None) -> int:
     """Prepack every Linear's weight of a loaded model for oneDNN (`rows`: the batch it tunes
-    the layout for; any row count runs) and, with the C kernels' `lib` on an AVX-512 CPU, into
+    the layout for; any row count runs) and, with the C kernels' `lib` on an AVX-512 or AVX2 CPU, into
     csrc/gemm.c's panels for small batches; returns how many were packed. Call again after the
     weights change: the packed copies do not follow them."""
     n = 0

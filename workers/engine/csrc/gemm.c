@@ -1,30 +1,97 @@
-/* The projections of small batches (decode steps) on AVX-512 CPUs: y = x w^T, fp32.
+/* The projections of small batches (decode steps) on AVX-512 and AVX2 CPUs: y = x w^T, fp32.
  *
  * oneDNN (and MKL) reach ~300 GFLOP/s on two cores at prefill sizes, but at a decode step's few
  * dozen rows oneDNN makes 120-190: with 64 rows a step's weights are each used 64 times and
  * streamed from memory once, and its blocking is made for large batches. Here the weight is
- * packed once into panels of NR = 32 output columns, k-major (a panel's row for one k is two
- * vectors), and a thread takes whole panels: for each, MR = 12 rows of x at a time keep 24
- * accumulators in registers while the panel streams past (from memory for the first 12 rows,
- * asked for PF k-steps ahead, from L2 for the rest). 1.1-1.6x oneDNN's packed projections at 64
- * rows over a step's 30 layers of SmolLM2, up to 2.4x at 8 rows; at a few hundred rows both
- * are alike and above that oneDNN's own blocking wins, so larger batches go to F.linear
- * (workers/engine/linear.py).
+ * packed once into panels of NR output columns, k-major (a panel's row for one k is two
+ * vectors), and a thread takes whole panels: for each, MR rows of x at a time keep 2 * MR
+ * accumulators in registers while the panel streams past (from memory for the first MR rows,
+ * asked for PF k-steps ahead, from L2 for the rest). With AVX-512 (NR 32, MR 12): 1.1-1.6x
+ * oneDNN's packed projections at 64 rows over a step's 30 layers of SmolLM2, up to 2.4x at 8
+ * rows. With AVX2 (NR 16, MR 6: 12 accumulators, 2 panel vectors and a broadcast of 16
+ * registers, BLIS's Haswell shape). At a few hundred rows both are alike and above that
+ * oneDNN's own blocking wins, so larger batches go to F.linear (workers/engine/linear.py).
  *
- * Each output is one sum over k in order, whatever the batch or the threads: a row's result
- * does not depend on what else is in the step; tm_greedy_pick repeats that sum for the few
- * columns greedy_head.py needs exactly. Without AVX-512 tm_gemm_nr() is 0 and nothing here is
- * used. */
+ * Each output is one sum over k in order, fused multiply-adds from zero, whatever the batch,
+ * the threads or the vector width: a row's result does not depend on what else is in the step;
+ * tm_greedy_pick repeats that sum for the few columns greedy_head.py needs exactly. With
+ * neither AVX-512 nor AVX2 and FMA, tm_gemm_nr() is 0 and nothing here is used. */
 #include <math.h>
 #include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define NR 32  /* output columns per panel: two vectors */
 #define MR 12  /* rows of x per pass: 24 accumulators, 2 panel vectors, 1 broadcast of 32 registers */
-#define PF 16  /* k-steps ahead that the first pass over a panel asks for it */
-#define INLINE static inline __attribute__((always_inline))
+#define PF 16  /* k-steps ahead that the first pass over a panel asks for it (2 KB) */
+
+/* mr rows of x (xs floats apart) against one panel b, into y (ys apart); only the panel's
+ * first `cols` columns exist. Always inlined with constant mr and pf: fully unrolled. */
+INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, int64_t k, float *restrict y, int64_t ys,
+                 int64_t cols, const int mr, const int pf) {
+    __m512 c0[MR], c1[MR];
+    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (pf) { /* past the end of the panel: harmless, a prefetch does not fault */
+            _mm_prefetch((const char *)(b + (kk + PF) * NR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + (kk + PF) * NR + 16), _MM_HINT_T0);
+        }
+        const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16);
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * xs + kk]);
+            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    const __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1u);
+    const __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
+    for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(y + r * ys, lo, c0[r]);
+        _mm512_mask_storeu_ps(y + r * ys + 16, hi, c1[r]);
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define NR 16  /* output columns per panel: two vectors */
+#define MR 6   /* rows of x per pass: 12 accumulators, 2 panel vectors, 1 broadcast of 16 registers */
+#define PF 32  /* k-steps ahead that the first pass over a panel asks for it (2 KB, as above) */
+
+/* As the AVX-512 pass above; a panel's row for one k is one cache line here. The unroll pragmas
+ * are needed: without them gcc 12 kept the accumulators in a stack array too, storing all 12
+ * every k-step (0.5-0.6x oneDNN at 64 rows instead of 1.2x). */
+INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, int64_t k, float *restrict y, int64_t ys,
+                 int64_t cols, const int mr, const int pf) {
+    __m256 c0[MR], c1[MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (pf) _mm_prefetch((const char *)(b + (kk + PF) * NR), _MM_HINT_T0);
+        const __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * xs + kk);
+            c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lane);
+    const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols - 8), lane);
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        _mm256_maskstore_ps(y + r * ys, lo, c0[r]);
+        _mm256_maskstore_ps(y + r * ys + 8, hi, c1[r]);
+    }
+}
+
+#endif
+
+#ifdef NR
 
 int64_t tm_gemm_nr(void) { return NR; }
 
@@ -40,40 +107,21 @@ void tm_pack_panels(const float *w, int64_t n, int64_t k, float *out) {
             }
 }
 
-/* mr rows of x (xs floats apart) against one panel b, into y (ys apart); `lo`, `hi` mask the
- * panel's columns that exist. Always inlined with constant mr and pf: fully unrolled. */
-INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, int64_t k, float *restrict y, int64_t ys,
-                 __mmask16 lo, __mmask16 hi, const int mr, const int pf) {
-    __m512 c0[MR], c1[MR];
-    for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
-        if (pf) { /* past the end of the panel: harmless, a prefetch does not fault */
-            _mm_prefetch((const char *)(b + (kk + PF) * NR), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + (kk + PF) * NR + 16), _MM_HINT_T0);
-        }
-        const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16);
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(x[r * xs + kk]);
-            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
-            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm512_mask_storeu_ps(y + r * ys, lo, c0[r]);
-        _mm512_mask_storeu_ps(y + r * ys + 16, hi, c1[r]);
-    }
-}
-
-static void rows(const float *x, int64_t xs, const float *b, int64_t k, float *y, int64_t ys, __mmask16 lo,
-                 __mmask16 hi, int mr, int pf) {
+static void rows(const float *x, int64_t xs, const float *b, int64_t k, float *y, int64_t ys, int64_t cols, int mr,
+                 int pf) {
 #define PASS(n)                                          \
     case n:                                              \
         if (pf)                                          \
-            pass(x, xs, b, k, y, ys, lo, hi, n, 1);      \
+            pass(x, xs, b, k, y, ys, cols, n, 1);        \
         else                                             \
-            pass(x, xs, b, k, y, ys, lo, hi, n, 0);      \
+            pass(x, xs, b, k, y, ys, cols, n, 0);        \
         break;
-    switch (mr) { PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12) }
+    switch (mr) {
+        PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
+#if MR > 6
+        PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12)
+#endif
+    }
 #undef PASS
 }
 
@@ -88,15 +136,26 @@ void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *pane
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (m * n * k >= (1 << 16))
     for (int64_t p = 0; p < count; p++) {
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-        const __mmask16 lo = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1u);
-        const __mmask16 hi = (__mmask16)(cols >= 32 ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
         const float *b = panels + p * k * NR;
         for (int64_t m0 = 0; m0 < m; m0 += MR) {
             const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            rows(x + m0 * xs, xs, b, k, y + m0 * ys + p * NR, ys, lo, hi, mr, m0 == 0);
+            rows(x + m0 * xs, xs, b, k, y + m0 * ys + p * NR, ys, cols, mr, m0 == 0);
         }
     }
 }
+
+#else
+
+int64_t tm_gemm_nr(void) { return 0; }
+void tm_pack_panels(const float *w, int64_t n, int64_t k, float *out) { (void)w, (void)n, (void)k, (void)out; }
+void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n, float *y, int64_t ys,
+             int64_t num_threads) {
+    (void)x, (void)m, (void)k, (void)xs, (void)panels, (void)n, (void)y, (void)ys, (void)num_threads;
+}
+
+#endif
+
+#if defined(__AVX512F__)
 
 /* Greedy tokens from a bf16 screen of the logits (workers/engine/greedy_head.py): for each of n
  * rows of h [n][k] (rows hs apart), the argmax over v columns of w [v][k] of the fp32 logits the
@@ -178,12 +237,8 @@ void tm_greedy_pick(const float *h, int64_t n, int64_t k, int64_t hs, const floa
 
 #else
 
-int64_t tm_gemm_nr(void) { return 0; }
-void tm_pack_panels(const float *w, int64_t n, int64_t k, float *out) { (void)w, (void)n, (void)k, (void)out; }
-void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n, float *y, int64_t ys,
-             int64_t num_threads) {
-    (void)x, (void)m, (void)k, (void)xs, (void)panels, (void)n, (void)y, (void)ys, (void)num_threads;
-}
+/* The screen needs AVX-512 (greedy_head.py builds it only with AVX-512 BF16 or AMX): every row
+ * goes back to the caller. */
 void tm_greedy_pick(const float *h, int64_t n, int64_t k, int64_t hs, const float *w, const uint16_t *s, int64_t v,
                     const float *wn, const float *hn, float c, int64_t cap, int64_t *out, int64_t num_threads) {
     (void)h, (void)k, (void)hs, (void)w, (void)s, (void)v, (void)wn, (void)hn, (void)c, (void)cap, (void)num_threads;
