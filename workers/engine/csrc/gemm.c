@@ -5,8 +5,9 @@
  * streamed from memory once, and its blocking is made for large batches. Here the weight is
  * packed once into panels of NR output columns, k-major (a panel's row for one k is two
  * vectors), and a thread takes whole panels: for each, MR rows of x at a time keep 2 * MR
- * accumulators in registers while the panel streams past (from memory for the first MR rows,
- * asked for PF k-steps ahead, from L2 for the rest). With AVX-512 (NR 32, MR 12): 1.1-1.6x
+ * accumulators in registers while the panel streams past (from L2, where the passes over the
+ * thread's previous panel asked for it a row at a time; the first pass also asks PF k-steps
+ * ahead into L1). With AVX-512 (NR 32, MR 12): 1.1-1.6x
  * oneDNN's packed projections at 64 rows over a step's 30 layers of SmolLM2, up to 2.4x at 8
  * rows. With AVX2 (NR 16, MR 6: 12 accumulators, 2 panel vectors and a broadcast of 16
  * registers, BLIS's Haswell shape). At a few hundred rows both are alike and above that
@@ -29,15 +30,24 @@
 #define PF 16  /* k-steps ahead that the first pass over a panel asks for it (2 KB) */
 
 /* mr rows of x (xs floats apart) against one panel b, into y (ys apart); only the panel's
- * first `cols` columns exist. Always inlined with constant mr and pf: fully unrolled. */
+ * first `cols` columns exist. Every `every` k-steps the pass asks for the row of another panel
+ * at `ahead`, and the next row the time after. Always inlined with constant mr and pf: fully
+ * unrolled. */
 INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, int64_t k, float *restrict y, int64_t ys,
-                 int64_t cols, const int mr, const int pf) {
+                 int64_t cols, const int mr, const int pf, const float *ahead, int64_t every) {
     __m512 c0[MR], c1[MR];
+    int64_t due = every;
     for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
         if (pf) { /* past the end of the panel: harmless, a prefetch does not fault */
             _mm_prefetch((const char *)(b + (kk + PF) * NR), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + (kk + PF) * NR + 16), _MM_HINT_T0);
+        }
+        if (--due == 0) { /* a row of the thread's next panel, into L2 (tm_gemm) */
+            due = every;
+            _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T1);
+            ahead += NR;
         }
         const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16);
         for (int r = 0; r < mr; r++) {
@@ -65,12 +75,18 @@ INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, i
  * are needed: without them gcc 12 kept the accumulators in a stack array too, storing all 12
  * every k-step (0.5-0.6x oneDNN at 64 rows instead of 1.2x). */
 INLINE void pass(const float *restrict x, int64_t xs, const float *restrict b, int64_t k, float *restrict y, int64_t ys,
-                 int64_t cols, const int mr, const int pf) {
+                 int64_t cols, const int mr, const int pf, const float *ahead, int64_t every) {
     __m256 c0[MR], c1[MR];
+    int64_t due = every;
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++) c0[r] = c1[r] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
         if (pf) _mm_prefetch((const char *)(b + (kk + PF) * NR), _MM_HINT_T0);
+        if (--due == 0) { /* a row of the thread's next panel, into L2 (tm_gemm) */
+            due = every;
+            _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+            ahead += NR;
+        }
         const __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < mr; r++) {
@@ -108,13 +124,13 @@ void tm_pack_panels(const float *w, int64_t n, int64_t k, float *out) {
 }
 
 static void rows(const float *x, int64_t xs, const float *b, int64_t k, float *y, int64_t ys, int64_t cols, int mr,
-                 int pf) {
-#define PASS(n)                                          \
-    case n:                                              \
-        if (pf)                                          \
-            pass(x, xs, b, k, y, ys, cols, n, 1);        \
-        else                                             \
-            pass(x, xs, b, k, y, ys, cols, n, 0);        \
+                 int pf, const float *ahead, int64_t every) {
+#define PASS(n)                                                      \
+    case n:                                                          \
+        if (pf)                                                      \
+            pass(x, xs, b, k, y, ys, cols, n, 1, ahead, every);      \
+        else                                                         \
+            pass(x, xs, b, k, y, ys, cols, n, 0, ahead, every);      \
         break;
     switch (mr) {
         PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
@@ -129,17 +145,28 @@ static void rows(const float *x, int64_t xs, const float *b, int64_t k, float *y
  * Panels are handed out one at a time as threads come free, not in equal shares up front: on
  * cores shared with the server and the VM's neighbours, a share finished early waited at the
  * region's end for the other (one step's 30 layers at 64 rows: 1.09-1.13x, at 32 rows 1.05-1.09x,
- * a 2-core Xeon, alternating in one process). Which thread computes a panel changes nothing in it. */
+ * a 2-core Xeon, alternating in one process). A thread claims its next panel as it starts one and
+ * asks for it, into L2, a row every few k-steps over the passes of this one: otherwise each
+ * panel's first pass waits on memory while the arithmetic units idle, and every pass after it
+ * computes while memory idles. Which thread computes a panel changes nothing in it. */
 void tm_gemm(const float *x, int64_t m, int64_t k, int64_t xs, const float *panels, int64_t n, float *y, int64_t ys,
              int64_t num_threads) {
-    const int64_t count = (n + NR - 1) / NR;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (m * n * k >= (1 << 16))
-    for (int64_t p = 0; p < count; p++) {
-        const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-        const float *b = panels + p * k * NR;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            rows(x + m0 * xs, xs, b, k, y + m0 * ys + p * NR, ys, cols, mr, m0 == 0);
+    const int64_t count = (n + NR - 1) / NR, passes = (m + MR - 1) / MR;
+    int64_t claimed = 0;
+#pragma omp parallel num_threads(num_threads) if (m * n * k >= (1 << 16))
+    {
+        int64_t p = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (p < count) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+            const float *b = panels + p * k * NR, *ahead = next < count ? panels + next * k * NR : b;
+            for (int64_t m0 = 0, i = 0; m0 < m; m0 += MR, i++) {
+                const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+                /* pass i asks for the next panel's rows i k / passes onwards, one every `passes` k-steps */
+                rows(x + m0 * xs, xs, b, k, y + m0 * ys + p * NR, ys, cols, mr, m0 == 0, ahead + i * k / passes * NR,
+                     next < count ? passes : INT64_MAX);
+            }
+            p = next;
         }
     }
 }
