@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+import torch
 
-from bench.engine import Request, workload
+from bench.engine import Request, ceilings, workload
 from tokenmill.modelstore import model_name, resolve_model
 from tokenmill.settings import BUNDLED_MODEL
 
@@ -89,6 +90,9 @@ class Figures:
     # CPU seconds the server's processes spent per 1000 output tokens: what a token costs,
     # whatever share of a shared machine the server got (0: not measured).
     cpu_per_ktok: float = 0.0
+    # This machine's fp32 matmul GFLOP/s just before and after the burst, averaged (0: not
+    # measured): to tell the servers' speed from the machine's between rounds.
+    machine_gflops: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,6 +108,32 @@ def percentile(values: list[float], p: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+def machine_speed(threads: int) -> float:
+    """fp32 matmul GFLOP/s of this machine now (bench/engine.py's probe, about a second), taken
+    while the server under test idles: these VMs' speed moves by half within minutes, so each
+    burst is bracketed by two probes and the run can say how fast the machine was for it."""
+    torch.set_num_threads(threads)
+    return ceilings(threads)[0] / 1e9
+
+
+async def measured(
+    server: Server,
+    url: str,
+    model: str,
+    reqs: list[Request],
+    args: argparse.Namespace,
+    headers: dict[str, str],
+) -> Figures:
+    """The measured burst, with the CPU its processes spent and the machine's speed around it."""
+    before = machine_speed(args.threads)
+    cpu = server.cpu_seconds()
+    samples, wall = await burst(url, model, reqs, args.concurrency, headers)
+    result = figures(server.name, reqs, samples, wall)
+    result.cpu_per_ktok = (server.cpu_seconds() - cpu) / max(1, result.output_tokens) * 1000
+    result.machine_gflops = (before + machine_speed(args.threads)) / 2
+    return result
 
 
 # --- the client -----------------------------------------------------------------------------
@@ -310,10 +340,7 @@ async def run_tokenmill(
         headers = {"authorization": f"Bearer {key}"}
         await warm_up(url, model_name(MODEL), headers)
         ready = time.perf_counter() - started
-        cpu = server.cpu_seconds()
-        samples, wall = await burst(url, model_name(MODEL), reqs, args.concurrency, headers)
-        result = figures(name, reqs, samples, wall)
-        result.cpu_per_ktok = (server.cpu_seconds() - cpu) / max(1, result.output_tokens) * 1000
+        result = await measured(server, url, model_name(MODEL), reqs, args, headers)
         result.extra["ready_seconds"] = ready
         return result
     finally:
@@ -344,10 +371,7 @@ async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request
         await wait_http(server, f"{url}/v1/models", lambda m: bool(m.get("data")))
         await warm_up(url, served_name, {})
         ready = time.perf_counter() - started
-        cpu = server.cpu_seconds()
-        samples, wall = await burst(url, served_name, reqs, args.concurrency, {})
-        result = figures("vllm", reqs, samples, wall)
-        result.cpu_per_ktok = (server.cpu_seconds() - cpu) / max(1, result.output_tokens) * 1000
+        result = await measured(server, url, served_name, reqs, args, {})
         result.extra["ready_seconds"] = ready
         return result
     finally:
@@ -364,7 +388,9 @@ def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
     ]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
+    before = machine_speed(args.threads)
     subprocess.run(cmd, check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    after = machine_speed(args.threads)
     data = json.loads(out.read_text())
     r = data["results"]
     return Figures(
@@ -379,6 +405,7 @@ def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
         output_tokens=int(r.get("output tokens", 0)),
         wall_seconds=r.get("wall (s)", 0.0),
         cpu_per_ktok=r.get("CPU s per 1k output tokens", 0.0),
+        machine_gflops=(before + after) / 2,
         extra={k: v for k, v in r.items() if "decode" in k or "roofline" in k or "GFLOP" in k},
     )
 
@@ -396,14 +423,31 @@ def median_figures(runs: list[Figures]) -> Figures:
 
 
 def table(rows: list[Figures]) -> str:
-    head = "| server | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | CPU s / 1k tokens | errors |"
-    lines = [head, "|---|---|---|---|---|---|"]
+    head = (
+        "| server | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | CPU s / 1k tokens"
+        " | machine GFLOP/s | errors |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for f in rows:
         tpot = f"{f.tpot_p50 * 1e3:.0f} / {f.tpot_p99 * 1e3:.0f}" if f.tpot_p50 else "-"
         ttft = f"{f.ttft_p50:.2f} / {f.ttft_p99:.2f}" if f.ttft_p50 else "-"
         cpu = f"{f.cpu_per_ktok:.1f}" if f.cpu_per_ktok else "-"
-        lines.append(f"| {f.name} | {f.output_tokens_per_s:.1f} | {ttft} | {tpot} | {cpu} | {f.errors:g} |")
+        speed = f"{f.machine_gflops:.0f}" if f.machine_gflops else "-"
+        lines.append(
+            f"| {f.name} | {f.output_tokens_per_s:.1f} | {ttft} | {tpot} | {cpu} | {speed} | {f.errors:g} |"
+        )
     return "\n".join(lines)
+
+
+def round_lines(per_round: list[dict[str, Figures]]) -> list[str]:
+    """Each round's tok/s per server, with the machine's speed around that server's burst."""
+    return [
+        f"  round {i + 1}: "
+        + ", ".join(
+            f"{n} {f.output_tokens_per_s:.1f} ({f.machine_gflops:.0f} GFLOP/s)" for n, f in got.items()
+        )
+        for i, got in enumerate(per_round)
+    ]
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -495,11 +539,22 @@ def main() -> int:
     def ratio(a: str, b: str, field: str = "output_tokens_per_s") -> float:
         return statistics.median(getattr(got[a], field) / getattr(got[b], field) for got in per_round)
 
+    def per_speed(a: str, b: str) -> float:
+        """As `ratio` of tok/s, each server's over the machine's speed around its burst: what is
+        left of the ratio once the machine's drift between the two bursts is taken out (a
+        diagnostic; the targets are on the ratio itself)."""
+
+        def rate(f: Figures) -> float:
+            return f.output_tokens_per_s / f.machine_gflops
+
+        return statistics.median(rate(got[a]) / rate(got[b]) for got in per_round)
+
     names = {name for name, _ in runs}
     ratios: dict[str, float] = {}
     if "vllm" in names:
         ratios["tokenmill / vllm output tok/s"] = ratio("tokenmill", "vllm")
         ratios["tokenmill / vllm TTFT p50"] = ratio("tokenmill", "vllm", "ttft_p50")
+        ratios["tokenmill / vllm output tok/s per machine GFLOP/s"] = per_speed("tokenmill", "vllm")
     if "engine in-process" in names:
         ratios["served / in-process tok/s"] = ratio("tokenmill", "engine in-process")
     for name, _ in trees[1:]:
@@ -509,6 +564,8 @@ def main() -> int:
         f"{args.kv_cache_gib:g} GiB KV, {n} requests)"
     )
     print(table(rows))
+    if args.rounds > 1:
+        print("\n".join(round_lines(per_round)))
     for name, value in ratios.items():
         print(f"  {name}: {value:.3f}")
     RESULTS.mkdir(exist_ok=True)
