@@ -90,8 +90,8 @@ class Figures:
     # CPU seconds the server's processes spent per 1000 output tokens: what a token costs,
     # whatever share of a shared machine the server got (0: not measured).
     cpu_per_ktok: float = 0.0
-    # This machine's fp32 matmul GFLOP/s just before and after the burst, averaged (0: not
-    # measured): to tell the servers' speed from the machine's between rounds.
+    # This machine's fp32 matmul GFLOP/s just before the server started and after it stopped,
+    # averaged (0: not measured): to tell the servers' speed from the machine's between rounds.
     machine_gflops: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,9 +111,10 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def machine_speed(threads: int) -> float:
-    """fp32 matmul GFLOP/s of this machine now (bench/engine.py's probe, about a second), taken
-    while the server under test idles: these VMs' speed moves by half within minutes, so each
-    burst is bracketed by two probes and the run can say how fast the machine was for it."""
+    """fp32 matmul GFLOP/s of this machine now (bench/engine.py's probe, about a second). These
+    VMs' speed moves by half within minutes, so each server's turn is bracketed by two probes,
+    taken while no server runs: beside an idle server they read its threads' share too (on
+    2026-12-03, 50 GFLOP/s beside vLLM after its burst, 85 beside tokenmill, 117-138 alone)."""
     torch.set_num_threads(threads)
     return ceilings(threads)[0] / 1e9
 
@@ -126,13 +127,11 @@ async def measured(
     args: argparse.Namespace,
     headers: dict[str, str],
 ) -> Figures:
-    """The measured burst, with the CPU its processes spent and the machine's speed around it."""
-    before = machine_speed(args.threads)
+    """The measured burst, with the CPU its processes spent."""
     cpu = server.cpu_seconds()
     samples, wall = await burst(url, model, reqs, args.concurrency, headers)
     result = figures(server.name, reqs, samples, wall)
     result.cpu_per_ktok = (server.cpu_seconds() - cpu) / max(1, result.output_tokens) * 1000
-    result.machine_gflops = (before + machine_speed(args.threads)) / 2
     return result
 
 
@@ -330,6 +329,7 @@ async def run_tokenmill(
     env.update(dict(kv.split("=", 1) for kv in args.tokenmill_env))
     env.update(extra)
     url = f"http://127.0.0.1:{port}"
+    before = machine_speed(args.threads)
     started = time.perf_counter()
     server = Server(name, [sys.executable, "-m", "tokenmill.cli", "serve"], env, root, work / f"{name}.log")
     try:
@@ -342,9 +342,10 @@ async def run_tokenmill(
         ready = time.perf_counter() - started
         result = await measured(server, url, model_name(MODEL), reqs, args, headers)
         result.extra["ready_seconds"] = ready
-        return result
     finally:
         server.stop()
+    result.machine_gflops = (before + machine_speed(args.threads)) / 2
+    return result
 
 
 async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request], work: Path) -> Figures:
@@ -365,6 +366,7 @@ async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request
         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    before = machine_speed(args.threads)
     started = time.perf_counter()
     server = Server("vllm", cmd, env, work, work / "vllm.log")
     try:
@@ -373,9 +375,10 @@ async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request
         ready = time.perf_counter() - started
         result = await measured(server, url, served_name, reqs, args, {})
         result.extra["ready_seconds"] = ready
-        return result
     finally:
         server.stop()
+    result.machine_gflops = (before + machine_speed(args.threads)) / 2
+    return result
 
 
 def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
