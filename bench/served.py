@@ -329,7 +329,6 @@ async def run_tokenmill(
     env.update(dict(kv.split("=", 1) for kv in args.tokenmill_env))
     env.update(extra)
     url = f"http://127.0.0.1:{port}"
-    before = machine_speed(args.threads)
     started = time.perf_counter()
     server = Server(name, [sys.executable, "-m", "tokenmill.cli", "serve"], env, root, work / f"{name}.log")
     try:
@@ -342,10 +341,9 @@ async def run_tokenmill(
         ready = time.perf_counter() - started
         result = await measured(server, url, model_name(MODEL), reqs, args, headers)
         result.extra["ready_seconds"] = ready
+        return result
     finally:
         server.stop()
-    result.machine_gflops = (before + machine_speed(args.threads)) / 2
-    return result
 
 
 async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request], work: Path) -> Figures:
@@ -366,7 +364,6 @@ async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request
         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    before = machine_speed(args.threads)
     started = time.perf_counter()
     server = Server("vllm", cmd, env, work, work / "vllm.log")
     try:
@@ -375,10 +372,9 @@ async def run_vllm(args: argparse.Namespace, model_dir: Path, reqs: list[Request
         ready = time.perf_counter() - started
         result = await measured(server, url, served_name, reqs, args, {})
         result.extra["ready_seconds"] = ready
+        return result
     finally:
         server.stop()
-    result.machine_gflops = (before + machine_speed(args.threads)) / 2
-    return result
 
 
 def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
@@ -391,9 +387,7 @@ def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
     ]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
-    before = machine_speed(args.threads)
     subprocess.run(cmd, check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
-    after = machine_speed(args.threads)
     data = json.loads(out.read_text())
     r = data["results"]
     return Figures(
@@ -408,7 +402,6 @@ def run_inprocess(args: argparse.Namespace, root: Path, work: Path) -> Figures:
         output_tokens=int(r.get("output tokens", 0)),
         wall_seconds=r.get("wall (s)", 0.0),
         cpu_per_ktok=r.get("CPU s per 1k output tokens", 0.0),
-        machine_gflops=(before + after) / 2,
         extra={k: v for k, v in r.items() if "decode" in k or "roofline" in k or "GFLOP" in k},
     )
 
@@ -443,7 +436,7 @@ def table(rows: list[Figures]) -> str:
 
 
 def round_lines(per_round: list[dict[str, Figures]]) -> list[str]:
-    """Each round's tok/s per server, with the machine's speed around that server's burst."""
+    """Each round's tok/s per server, with the machine's speed around that server's turn."""
     return [
         f"  round {i + 1}: "
         + ", ".join(
@@ -528,12 +521,14 @@ def main() -> int:
             got: dict[str, Figures] = {}
             for name, root in runs if r % 2 == 0 else runs[::-1]:
                 print(f"== round {r + 1}: {name}", file=sys.stderr)
+                before = machine_speed(args.threads)
                 if name == "vllm":
                     got[name] = asyncio.run(run_vllm(args, model_dir, reqs, work))
                 elif name == "engine in-process":
                     got[name] = run_inprocess(args, args.root, work)
                 else:
                     got[name] = asyncio.run(run_tokenmill(name, root, args, reqs, work, extra.get(name, {})))
+                got[name].machine_gflops = (before + machine_speed(args.threads)) / 2
                 print(f"   {got[name].output_tokens_per_s:.1f} tok/s", file=sys.stderr)
             per_round.append(got)
 
@@ -543,8 +538,8 @@ def main() -> int:
         return statistics.median(getattr(got[a], field) / getattr(got[b], field) for got in per_round)
 
     def per_speed(a: str, b: str) -> float:
-        """As `ratio` of tok/s, each server's over the machine's speed around its burst: what is
-        left of the ratio once the machine's drift between the two bursts is taken out (a
+        """As `ratio` of tok/s, each server's over the machine's speed around its turn: what is
+        left of the ratio once the machine's drift between the two turns is taken out (a
         diagnostic; the targets are on the ratio itself)."""
 
         def rate(f: Figures) -> float:
