@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tokenmill.protocol import EmbedRequest, EmbedResponse
+from workers.engine.loader import materialize
 
 # Architectures this encoder reads (HF's names for a plain BERT stack).
 ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
@@ -154,12 +155,17 @@ class Pooling:
 # --------------------------------------------------------------------------------------------
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.pos = nn.Embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        # Storage given: no random init (see workers.engine.loader.materialize).
+        self.word = _embedding(c.vocab_size, c.hidden_size)
+        self.pos = _embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type = _embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -311,7 +317,7 @@ class Encoder:
         self.max_batch_tokens = max_batch_tokens
         with torch.device("meta"):
             model = BertModel(self.config)
-        model = model.to(dtype).to_empty(device=self.device)
+        model = materialize(model, dtype, self.device)
         model.load_weights(_weights(path))
         self.model = model.eval()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from workers.engine.attention import AttentionBackend, select_backend
 from workers.engine.config import ModelConfig
@@ -45,10 +45,19 @@ def load_model(
     # allocate uninitialised storage in the compute dtype and fill it from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend or select_backend(device))
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, dtype, device)
     model.tie_weights()
     model.load_weights(weights)
     return model.eval(), cfg
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A module built on the meta device, with uninitialised storage on `device` (floating
+    tensors in `dtype`). torch.empty, not `to_empty`: its empty_like of a meta tensor goes
+    through torch._refs, whose first call imports sympy (a second of a worker's start); a
+    module's random init there (nn.Embedding's normal_) imports torch._dynamo (3-5 s): build
+    embeddings with their storage given."""
+    return model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 # --------------------------------------------------------------------------------------------

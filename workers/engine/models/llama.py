@@ -134,7 +134,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Storage given: no random init (see loader.materialize).
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
@@ -165,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config says so
-        (again after `to_empty`, which may give each module its own storage)."""
+        (again after `loader.materialize`, which gives each parameter its own storage)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
