@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tokenmill.protocol import EmbedRequest, EmbedResponse
-from workers.engine.loader import materialize
+from workers.engine.meta import embedding, materialize
 
 # Architectures this encoder reads (HF's names for a plain BERT stack).
 ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
@@ -155,17 +155,12 @@ class Pooling:
 # --------------------------------------------------------------------------------------------
 
 
-def _embedding(n: int, dim: int) -> nn.Embedding:
-    return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
-
-
 class BertEmbeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
-        # Storage given: no random init (see workers.engine.loader.materialize).
-        self.word = _embedding(c.vocab_size, c.hidden_size)
-        self.pos = _embedding(c.max_position_embeddings, c.hidden_size)
-        self.token_type = _embedding(c.type_vocab_size, c.hidden_size)
+        self.word = embedding(c.vocab_size, c.hidden_size)
+        self.pos = embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type = embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, ids: Tensor) -> Tensor:

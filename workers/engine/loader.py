@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from workers.engine.attention import AttentionBackend, select_backend
 from workers.engine.config import ModelConfig
+from workers.engine.meta import materialize
 from workers.engine.models import LlamaForCausalLM
 
 
@@ -49,15 +50,6 @@ def load_model(
     model.tie_weights()
     model.load_weights(weights)
     return model.eval(), cfg
-
-
-def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A module built on the meta device, with uninitialised storage on `device` (floating
-    tensors in `dtype`). torch.empty, not `to_empty`: its empty_like of a meta tensor goes
-    through torch._refs, whose first call imports sympy (a second of a worker's start); a
-    module's random init there (nn.Embedding's normal_) imports torch._dynamo (3-5 s): build
-    embeddings with their storage given."""
-    return model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 # --------------------------------------------------------------------------------------------

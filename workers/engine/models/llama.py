@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.config import ModelConfig
 from workers.engine.linear import Linear
+from workers.engine.meta import embedding
 
 
 class RMSNorm(nn.Module):
@@ -134,10 +135,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        # Storage given: no random init (see loader.materialize).
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
@@ -168,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the config says so
-        (again after `loader.materialize`, which gives each parameter its own storage)."""
+        (again after `meta.materialize`, which gives each parameter its own storage)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
